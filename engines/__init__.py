@@ -1,0 +1,1 @@
+"""Models and how they run: checkpoints, encoders, decoders, tokenizers."""

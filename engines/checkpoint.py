@@ -1,0 +1,160 @@
+"""Checkpoints: `.nemo` archives read in place, and registry names resolved through Hugging Face.
+
+A `.nemo` file is a tar archive holding `model_config.yaml`, `model_weights.ckpt` (a torch
+state dict with NeMo's key names) and the tokenizer's files, referenced from the config as
+`nemo:<member name>`. We never unpack the archive: the config and tokenizer are read as bytes,
+and the weights are streamed by `torch.load` straight from the tar member (an uncompressed tar
+member is a seekable window of the archive), so a 2.4 GB checkpoint costs no temporary copy.
+"""
+from __future__ import annotations
+
+import os
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+CONFIG_MEMBER = "model_config.yaml"
+WEIGHTS_MEMBER = "model_weights.ckpt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or holds something we do not support."""
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """A model name users can pass to `--model`, and where its weights live."""
+
+    name: str
+    repo_id: str
+    filename: str
+    family: str  # "parakeet" (a .nemo transducer / CTC model) or "whisper"
+
+
+# Parakeet / FastConformer checkpoints published by NVIDIA as single `.nemo` files.
+REGISTRY: dict[str, RegistryEntry] = {
+    e.name: e
+    for e in [
+        RegistryEntry("parakeet-tdt-0.6b-v2", "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", "parakeet"),
+        RegistryEntry("parakeet-tdt-0.6b-v3", "nvidia/parakeet-tdt-0.6b-v3", "parakeet-tdt-0.6b-v3.nemo", "parakeet"),
+        RegistryEntry("parakeet-tdt-1.1b", "nvidia/parakeet-tdt-1.1b", "parakeet-tdt-1.1b.nemo", "parakeet"),
+        RegistryEntry("parakeet-rnnt-0.6b", "nvidia/parakeet-rnnt-0.6b", "parakeet-rnnt-0.6b.nemo", "parakeet"),
+        RegistryEntry("parakeet-rnnt-1.1b", "nvidia/parakeet-rnnt-1.1b", "parakeet-rnnt-1.1b.nemo", "parakeet"),
+        RegistryEntry("parakeet-tdt_ctc-110m", "nvidia/parakeet-tdt_ctc-110m", "parakeet-tdt_ctc-110m.nemo", "parakeet"),
+        RegistryEntry("parakeet-tdt_ctc-1.1b", "nvidia/parakeet-tdt_ctc-1.1b", "parakeet-tdt_ctc-1.1b.nemo", "parakeet"),
+        RegistryEntry("parakeet-ctc-0.6b", "nvidia/parakeet-ctc-0.6b", "parakeet-ctc-0.6b.nemo", "parakeet"),
+        RegistryEntry("parakeet-ctc-1.1b", "nvidia/parakeet-ctc-1.1b", "parakeet-ctc-1.1b.nemo", "parakeet"),
+    ]
+}
+
+
+def _member_name(name: str) -> str:
+    """Config references look like `nemo:abc_tokenizer.model`; archive members may carry `./`."""
+    return name[len("nemo:"):] if name.startswith("nemo:") else name
+
+
+class NemoArchive:
+    """Read-only view of a `.nemo` tar archive. Members are located once, read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such checkpoint file")
+        try:
+            # "r:*" also reads the gzip-compressed archives older NeMo versions wrote.
+            self._tar = tarfile.open(self.path, "r:*")
+        except tarfile.TarError as e:
+            raise CheckpointError(f"{self.path}: not a .nemo (tar) archive: {e}") from e
+        self._members = {
+            os.path.basename(m.name): m for m in self._tar.getmembers() if m.isfile()
+        }
+        for required in (CONFIG_MEMBER, WEIGHTS_MEMBER):
+            if required not in self._members:
+                raise CheckpointError(f"{self.path}: archive has no {required}")
+        self._config: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        self._tar.close()
+
+    def __enter__(self) -> "NemoArchive":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def member_bytes(self, name: str) -> bytes:
+        """The bytes of one member, by its name or its `nemo:` reference from the config."""
+        key = os.path.basename(_member_name(name))
+        if key not in self._members:
+            raise CheckpointError(f"{self.path}: archive has no member {name!r}")
+        f = self._tar.extractfile(self._members[key])
+        assert f is not None  # members were filtered to regular files
+        return f.read()
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """`model_config.yaml` as a plain dict (read once)."""
+        if self._config is None:
+            self._config = yaml.safe_load(self.member_bytes(CONFIG_MEMBER))
+            if not isinstance(self._config, dict):
+                raise CheckpointError(f"{self.path}: {CONFIG_MEMBER} is not a mapping")
+        return self._config
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """All weights with NeMo's key names, streamed from the archive (no temporary file)."""
+        f = self._tar.extractfile(self._members[WEIGHTS_MEMBER])
+        assert f is not None
+        # weights_only: a checkpoint is data, never code to run. mmap is impossible inside a
+        # tar, but torch's zip reader seeks per tensor record, so memory holds each tensor once.
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries under `prefix.` with the prefix removed (e.g. "encoder" -> encoder weights)."""
+    p = prefix + "."
+    return {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
+
+
+def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: float = 10.0) -> Path:
+    """A local path for `model`: a path to a `.nemo` file, or a registry name.
+
+    Registry names are fetched with `huggingface_hub` into its usual cache
+    (`HF_HOME` / `HF_HUB_CACHE`), so a second run and an offline machine with a filled cache
+    both start without network. `offline=None` follows `HF_HUB_OFFLINE`.
+    """
+    p = Path(model).expanduser()
+    if p.suffix == ".nemo" or p.exists():
+        if not p.is_file():
+            raise CheckpointError(f"{model}: no such checkpoint file")
+        return p
+    entry = REGISTRY.get(model)
+    if entry is None:
+        known = ", ".join(sorted(REGISTRY))
+        raise CheckpointError(f"unknown model {model!r}: pass a .nemo path or one of: {known}")
+    return _hf_download(entry, offline=offline, timeout_s=timeout_s)
+
+
+def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float) -> Path:
+    # Imported here: resolving a local path must not pay for huggingface_hub's import.
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if offline is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        # Cache first: a filled cache must never wait on the network.
+        return Path(hf_hub_download(entry.repo_id, entry.filename, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if offline:
+            raise CheckpointError(
+                f"{entry.name}: not in the Hugging Face cache and offline mode is on "
+                f"(download {entry.repo_id}/{entry.filename} on a connected machine, or pass a .nemo path)"
+            ) from None
+    try:
+        return Path(hf_hub_download(entry.repo_id, entry.filename, etag_timeout=timeout_s))
+    except Exception as e:  # network errors come in many types (requests, httpx, OSError)
+        raise CheckpointError(f"{entry.name}: download of {entry.repo_id}/{entry.filename} failed: {e}") from e

@@ -1,0 +1,44 @@
+"""Shared test helpers: where `../shared` is, and the NeMo reference fixtures in it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = (ROOT / ".." / "shared").resolve()
+NEMO_REF = SHARED / "fixtures" / "nemo_reference"
+SPEECH = SHARED / "data" / "speech"
+OFFLINE_VARIANTS = ["tdt_tiny", "tdt_128mel", "rnnt_tiny", "tdt_ctc_tiny"]
+
+needs_shared = pytest.mark.skipif(
+    not NEMO_REF.is_dir(), reason=f"shared fixtures not found at {NEMO_REF} (CI always has them)"
+)
+
+
+class Reference:
+    """One fixture variant: its `.nemo`, NeMo's per-file outputs (json) and arrays (npz)."""
+
+    def __init__(self, variant: str):
+        self.dir = NEMO_REF / variant
+        self.nemo = self.dir / "model.nemo"
+        meta = json.loads((self.dir / "reference.json").read_text())
+        self.spec = meta.get("spec", {})
+        self.files = meta["files"]
+        npz = self.dir / "reference.npz"
+        self.arrays = np.load(npz) if npz.exists() else None
+
+    def audio_path(self, i: int) -> Path:
+        return (self.dir.parent / self.files[i]["audio"]).resolve()
+
+    def array(self, name: str, i: int) -> np.ndarray:
+        return self.arrays[f"{name}_{i}"]
+
+
+@pytest.fixture(scope="session", params=OFFLINE_VARIANTS)
+def reference(request) -> Reference:
+    if not NEMO_REF.is_dir():
+        pytest.skip(f"shared fixtures not found at {NEMO_REF} (CI always has them)")
+    return Reference(request.param)
