@@ -1,0 +1,27 @@
+# GPU image: CUDA runtime, PyTorch with CUDA, this package with the ONNX and cuda-python extras.
+# TensorRT is optional: build FROM an nvcr.io TensorRT image instead, or `pip install '.[tensorrt]'`
+# where its libraries can be fetched.
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv libsndfile1 ffmpeg \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+
+WORKDIR /app
+# Dependencies first so that code changes do not reinstall torch.
+COPY pyproject.toml README.md ./
+COPY transcribe/__init__.py transcribe/__init__.py
+COPY engines/__init__.py engines/__init__.py
+RUN pip install torch --index-url https://download.pytorch.org/whl/cu128 \
+ && pip install -e '.[onnx,cuda]'
+COPY transcribe transcribe
+COPY engines engines
+
+# Models fetched by registry name land in the Hugging Face cache: mount it to keep them.
+ENV HF_HOME=/cache/huggingface
+VOLUME ["/cache"]
+ENTRYPOINT ["transcribe"]
+CMD ["--help"]

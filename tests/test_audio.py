@@ -1,0 +1,146 @@
+"""Audio loading: what NeMo saw (libsndfile float32, channel average, soxr), and clean errors."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from conftest import SPEECH, Reference, needs_shared
+from transcribe.audio import AudioError, audio_info, load_audio, resample
+
+
+def _tone(freq: float, rate: int, seconds: float) -> np.ndarray:
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def _peak_hz(x: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return float(np.argmax(spectrum) * rate / len(x))
+
+
+def test_int16_wav_is_scaled_like_nemo(tmp_path: Path) -> None:
+    pcm = np.array([0, 1, -1, 16384, -32768, 32767] * 100, dtype=np.int16)
+    path = tmp_path / "pcm.wav"
+    sf.write(path, pcm, 16000, subtype="PCM_16")
+    x = load_audio(path, 16000)
+    assert x.dtype == np.float32 and x.ndim == 1
+    np.testing.assert_array_equal(x, pcm.astype(np.float32) / 32768.0)
+
+
+def test_stereo_is_averaged(tmp_path: Path) -> None:
+    left, right = _tone(300, 16000, 0.5), _tone(1100, 16000, 0.5) * 0.25
+    path = tmp_path / "stereo.wav"
+    sf.write(path, np.stack([left, right], axis=1), 16000, subtype="FLOAT")
+    x = load_audio(path, 16000)
+    np.testing.assert_allclose(x, (left + right) / 2, atol=1e-7)
+    assert audio_info(path) == (pytest.approx(0.5), 16000, 2)
+
+
+@pytest.mark.parametrize("source_rate", [44100, 48000, 8000])
+def test_resampling_length_and_content(tmp_path: Path, source_rate: int) -> None:
+    n = int(source_rate * 1.3) + 7  # not a whole number of output samples
+    tone = _tone(440, source_rate, 2.0)[:n]
+    path = tmp_path / f"tone_{source_rate}.flac"
+    sf.write(path, tone, source_rate, subtype="PCM_24")
+    x = load_audio(path, 16000)
+    assert len(x) == math.ceil(n * 16000 / source_rate)  # librosa.resample's fixed length
+    assert abs(_peak_hz(x, 16000) - 440) < 2
+    # Level is preserved away from the edges (soxr HQ passband is flat at 440 Hz).
+    assert np.max(np.abs(x[1000:-1000])) == pytest.approx(0.5, abs=0.01)
+
+
+def test_resample_is_identity_at_same_rate() -> None:
+    x = _tone(440, 16000, 0.1)
+    assert resample(x, 16000, 16000) is x
+
+
+def _assert_audio_error(path: Path, fragment: str) -> None:
+    with pytest.raises(AudioError) as err:
+        load_audio(path, 16000)
+    assert isinstance(err.value, ValueError)
+    assert str(path) in str(err.value) and fragment in str(err.value)
+    assert err.value.path == str(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    _assert_audio_error(tmp_path / "nope.wav", "no such file")
+    with pytest.raises(AudioError, match="no such file"):
+        audio_info(tmp_path / "nope.wav")
+
+
+def test_directory_is_not_audio(tmp_path: Path) -> None:
+    _assert_audio_error(tmp_path, "not a regular file")
+
+
+def test_zero_byte_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.wav"
+    path.write_bytes(b"")
+    _assert_audio_error(path, "empty")
+
+
+def test_wav_with_no_samples(tmp_path: Path) -> None:
+    path = tmp_path / "noframes.wav"
+    sf.write(path, np.zeros(0, dtype=np.float32), 16000)
+    _assert_audio_error(path, "no audio samples")
+
+
+def test_text_renamed_wav(tmp_path: Path) -> None:
+    path = tmp_path / "notes.wav"
+    path.write_text("this is not audio\n" * 20)
+    _assert_audio_error(path, "not a readable audio file")
+    with pytest.raises(AudioError, match="not a readable audio file"):
+        audio_info(path)
+
+
+def test_truncated_flac(tmp_path: Path) -> None:
+    good = tmp_path / "good.flac"
+    sf.write(good, np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1, 16000)
+    data = good.read_bytes()
+    for name, cut in (("half.flac", len(data) // 2), ("header.flac", 60)):
+        path = tmp_path / name
+        path.write_bytes(data[:cut])
+        _assert_audio_error(path, "not a readable audio file")
+
+
+def test_shorter_than_one_frame(tmp_path: Path) -> None:
+    path = tmp_path / "blip.wav"
+    sf.write(path, np.zeros(399, dtype=np.float32), 16000)
+    _assert_audio_error(path, "too short")
+    assert len(load_audio(path, 16000, min_samples=1)) == 399
+
+
+def test_non_finite_samples(tmp_path: Path) -> None:
+    path = tmp_path / "nan.wav"
+    x = np.zeros(1600, dtype=np.float32)
+    x[100] = np.nan
+    sf.write(path, x, 16000, subtype="FLOAT")
+    _assert_audio_error(path, "NaN")
+
+
+def test_reference_audio_lengths(reference: Reference) -> None:
+    for i, meta in enumerate(reference.files):
+        path = reference.audio_path(i)
+        x = load_audio(path, 16000)
+        assert len(x) == meta["samples"]
+        duration, rate, channels = audio_info(path)
+        assert (rate, channels) == (16000, 1) and duration == pytest.approx(meta["samples"] / 16000)
+
+
+@needs_shared
+def test_mp3_decodes_when_libsndfile_supports_it() -> None:
+    if "MP3" not in sf.available_formats():
+        pytest.skip(f"libsndfile {sf.__libsndfile_version__} has no MP3 support")
+    mp3s = sorted(SPEECH.rglob("*.mp3"))
+    if not mp3s:
+        pytest.skip("no MP3 files in shared data")
+    path = min(mp3s, key=lambda p: p.stat().st_size)
+    duration, rate, _ = audio_info(path)
+    x = load_audio(path, 16000)
+    assert x.dtype == np.float32 and x.ndim == 1 and np.isfinite(x).all()
+    # The header duration is an estimate for MP3; the decode agrees to within a few frames.
+    assert len(x) / 16000 == pytest.approx(duration, abs=0.1)
+    assert np.abs(x).max() > 0.01  # speech, not silence

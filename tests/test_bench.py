@@ -1,0 +1,13 @@
+"""WER normalisation and the bench report's arithmetic."""
+from transcribe.bench import normalize_text, wer
+
+
+def test_normalisation_matches_librispeech_style():
+    assert normalize_text("Hello, World!  It's  'quoted' — ok.") == "hello world it's quoted ok"
+    assert normalize_text("THERE'S IRON") == "there's iron"
+
+
+def test_wer_counts_edits_over_reference_words():
+    assert wer(["the cat sat", "a b"], ["The cat sat.", "a b"]) == 0.0
+    assert abs(wer(["the cat sat on"], ["the bat sat"]) - 0.5) < 1e-9  # 1 sub + 1 del over 4
+    assert wer([""], ["x"]) is None

@@ -1,0 +1,57 @@
+"""Output formats and the atomic, resumable writes."""
+import json
+import os
+
+import pytest
+
+from transcribe.results import Result, Segment, Word
+from transcribe.writers import (ResultsLog, atomic_write_text, parse_formats, read_results, write_outputs,
+                                write_srt, write_vtt)
+
+
+def _result():
+    words = [Word("hello", 0.0, 0.5), Word("world.", 0.6, 1.2), Word("again", 3661.0, 3661.5)]
+    segs = [Segment("hello world.", 0.0, 1.2), Segment("again", 3661.0, 3661.5)]
+    return Result(text="hello world. again", words=words, segments=segs, tokens=[])
+
+
+def test_srt_and_vtt_timestamps():
+    srt = write_srt(_result())
+    assert srt.startswith("1\n00:00:00,000 --> 00:00:01,200\nhello world.\n")
+    assert "2\n01:01:01,000 --> 01:01:01,500\nagain\n" in srt
+    vtt = write_vtt(_result())
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.200\nhello world.\n")
+
+
+def test_json_output_has_segments_and_words(tmp_path):
+    write_outputs(_result(), tmp_path / "sub" / "a", ["json", "txt"])
+    doc = json.loads((tmp_path / "sub" / "a.json").read_text())
+    assert doc["text"] == "hello world. again"
+    assert doc["words"][1] == {"word": "world.", "start": 0.6, "end": 1.2}
+    assert doc["segments"][1]["start"] == 3661.0
+    assert (tmp_path / "sub" / "a.txt").read_text() == "hello world. again\n"
+
+
+def test_parse_formats():
+    assert parse_formats("txt, SRT") == ["txt", "srt"]
+    assert parse_formats("all") == ["txt", "json", "srt", "vtt"]
+    with pytest.raises(ValueError, match="docx"):
+        parse_formats("txt,docx")
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    p = tmp_path / "a.txt"
+    atomic_write_text(p, "old\n")
+
+    with pytest.raises(TypeError):
+        atomic_write_text(p, None)  # fails inside the write
+    assert p.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["a.txt"]  # no temporary left behind
+
+
+def test_results_log_drops_a_partial_last_line(tmp_path):
+    p = tmp_path / "results.jsonl"
+    p.write_text('{"audio_filepath": "/a", "status": "ok"}\n{"audio_filepath": "/b", "sta')
+    with ResultsLog(p) as log:
+        log.append({"audio_filepath": "/c", "status": "ok"})
+    assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/c"]

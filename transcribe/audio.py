@@ -1,0 +1,119 @@
+"""Audio decoding as NeMo sees it: libsndfile float32 samples, channel average, soxr resampling.
+
+NeMo's `AudioSegment.from_file` reads with soundfile as float32 (int16 / 32768 for PCM), averages
+channels, and resamples with `librosa.resample` (soxr 'HQ', then fixes the length to
+ceil(n * target / source)). Doing the same here keeps our features bit-comparable to NeMo's.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+# One 25 ms analysis window at 16 kHz: anything shorter yields no feature frame worth decoding.
+DEFAULT_MIN_SAMPLES = 400
+
+
+class AudioError(ValueError):
+    """An input file that cannot be turned into speech samples; str() names the file and why."""
+
+    def __init__(self, path: str | os.PathLike, reason: str):
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+def _check_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise AudioError(p, "no such file")
+    if not p.is_file():
+        raise AudioError(p, "not a regular file")
+    if not os.access(p, os.R_OK):
+        raise AudioError(p, "permission denied")
+    if p.stat().st_size == 0:
+        raise AudioError(p, "empty file (0 bytes)")
+    return p
+
+
+def _open_error(p: Path, e: Exception) -> AudioError:
+    # libsndfile prefixes its messages with "Error opening '<path>': "; keep only the cause.
+    msg = str(e).split(": ", 1)[-1] if str(p) in str(e) else str(e)
+    return AudioError(p, f"not a readable audio file ({msg.strip()})")
+
+
+def audio_info(path: str | os.PathLike) -> tuple[float, int, int]:
+    """(duration_s, sample_rate, channels) from the file header, without decoding samples.
+
+    For MP3 the duration is libsndfile's header estimate and may differ slightly from the
+    decoded length.
+    """
+    p = _check_path(path)
+    try:
+        info = sf.info(str(p))
+    except (sf.SoundFileError, OSError) as e:
+        raise _open_error(p, e) from e
+    if info.channels <= 0:
+        raise AudioError(p, f"unsupported channel count {info.channels}")
+    if info.samplerate <= 0:
+        raise AudioError(p, f"invalid sample rate {info.samplerate}")
+    return info.frames / info.samplerate, int(info.samplerate), int(info.channels)
+
+
+def _decode(p: Path) -> tuple[np.ndarray, int]:
+    """All samples as float32 [frames, channels] and the file's sample rate (Hz)."""
+    try:
+        with sf.SoundFile(str(p)) as f:
+            if f.channels <= 0:
+                raise AudioError(p, f"unsupported channel count {f.channels}")
+            if f.samplerate <= 0:
+                raise AudioError(p, f"invalid sample rate {f.samplerate}")
+            rate = int(f.samplerate)
+            data = f.read(dtype="float32", always_2d=True)
+    except (sf.SoundFileError, OSError) as e:
+        # Corrupt or truncated streams fail here (e.g. "flac decoder lost sync").
+        raise _open_error(p, e) from e
+    return data, rate
+
+
+def resample(x: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
+    """[n] float32 at source_rate -> [ceil(n * target / source)] float32 at target_rate.
+
+    soxr 'HQ' is what librosa.resample (NeMo's resampler) uses by default; librosa then pads or
+    trims to the ceil length, so we do the same.
+    """
+    if source_rate == target_rate:
+        return x
+    y = soxr.resample(x, source_rate, target_rate, quality="HQ").astype(np.float32, copy=False)
+    n_out = int(math.ceil(x.shape[0] * target_rate / source_rate))
+    if y.shape[0] >= n_out:
+        return np.ascontiguousarray(y[:n_out])
+    return np.pad(y, (0, n_out - y.shape[0]))
+
+
+def load_audio(path: str | os.PathLike, sample_rate: int, min_samples: int = DEFAULT_MIN_SAMPLES) -> np.ndarray:
+    """Decode `path` to mono float32 samples at `sample_rate` Hz: [n] with n >= min_samples.
+
+    Raises AudioError (naming the file) for a missing or unreadable file, data that is not audio
+    or is corrupt, no samples, fewer than `min_samples` samples after resampling, or samples that
+    are not finite.
+    """
+    p = _check_path(path)
+    data, rate = _decode(p)
+    if data.shape[0] == 0:
+        raise AudioError(p, "no audio samples (0 frames)")
+    # Channel average, as NeMo's default channel_selector does; resampling is linear, so
+    # downmixing first gives the same result at a fraction of the cost.
+    mono = data[:, 0] if data.shape[1] == 1 else data.mean(axis=1, dtype=np.float32)
+    if not np.isfinite(mono).all():
+        raise AudioError(p, "audio contains NaN or infinite samples")
+    mono = resample(np.ascontiguousarray(mono, dtype=np.float32), rate, sample_rate)
+    if mono.shape[0] < min_samples:
+        raise AudioError(
+            p, f"too short: {mono.shape[0]} samples at {sample_rate} Hz, need at least {min_samples}"
+        )
+    return mono

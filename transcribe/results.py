@@ -1,0 +1,32 @@
+"""Transcription results: plain frozen dataclasses, times in seconds from the audio start."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Word:
+    """One word as NeMo spells it in word timestamps; start/end in seconds."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of words (split on sentence punctuation and, optionally, long pauses); seconds."""
+
+    text: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """Transcript of one utterance: text, word and segment timestamps, and the token ids."""
+
+    text: str
+    words: list[Word] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)

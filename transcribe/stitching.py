@@ -1,0 +1,31 @@
+"""Stitching: join the results of a file's pieces into one, with file-relative times."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from transcribe.results import Result
+
+
+def shift(result: Result, offset: float) -> Result:
+    """The same result with every word and segment time moved by `offset` seconds."""
+    if offset == 0.0:
+        return result
+    return replace(
+        result,
+        words=[replace(w, start=w.start + offset, end=w.end + offset) for w in result.words],
+        segments=[replace(s, start=s.start + offset, end=s.end + offset) for s in result.segments],
+    )
+
+
+def stitch(parts: list[Result], offsets: list[float]) -> Result:
+    """One Result for a whole file from its pieces (in order) and their start offsets (s)."""
+    if len(parts) == 1:
+        return shift(parts[0], offsets[0])
+    moved = [shift(p, o) for p, o in zip(parts, offsets)]
+    return replace(
+        moved[0],
+        text=" ".join(p.text.strip() for p in moved if p.text.strip()),
+        words=[w for p in moved for w in p.words],
+        segments=[s for p in moved for s in p.segments],
+        tokens=[t for p in moved for t in p.tokens],
+    )

@@ -1,0 +1,146 @@
+"""Writers: a registry of pure functions Result -> text, and the atomic file and log writes.
+
+Every output file is written to a temporary name in the same folder and renamed into place,
+so a kill never leaves a truncated transcript; `results.jsonl` is appended one complete,
+flushed line per file, so a kill leaves only whole lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Protocol
+
+
+class _Timed(Protocol):
+    start: float
+    end: float
+
+
+def _clock(seconds: float, sep: str) -> str:
+    """HH:MM:SS,mmm (srt, sep=',') or HH:MM:SS.mmm (vtt, sep='.')."""
+    ms = max(0, round(seconds * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def _cues(result) -> list:
+    """Subtitle cues: the result's segments, or one cue for the whole text if it has none."""
+    return [s for s in result.segments if s.text.strip()]
+
+
+def write_txt(result) -> str:
+    return result.text.strip() + "\n"
+
+
+def write_json(result) -> str:
+    doc = {
+        "text": result.text,
+        "segments": [{"text": s.text, "start": round(s.start, 3), "end": round(s.end, 3)} for s in result.segments],
+        "words": [{"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for w in result.words],
+    }
+    return json.dumps(doc, ensure_ascii=False, indent=1) + "\n"
+
+
+def write_srt(result) -> str:
+    blocks = [
+        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
+        for i, s in enumerate(_cues(result), 1)
+    ]
+    return "\n".join(blocks)
+
+
+def write_vtt(result) -> str:
+    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in _cues(result)]
+    return "WEBVTT\n\n" + "\n".join(blocks)
+
+
+WRITERS: dict[str, Callable[[object], str]] = {
+    "txt": write_txt,
+    "json": write_json,
+    "srt": write_srt,
+    "vtt": write_vtt,
+}
+
+
+def parse_formats(spec: str) -> list[str]:
+    """`txt,json` -> ["txt", "json"]; `all` -> every format. Unknown names raise ValueError."""
+    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
+    if names == ["all"]:
+        return list(WRITERS)
+    bad = [n for n in names if n not in WRITERS]
+    if bad or not names:
+        raise ValueError(f"--format {spec!r}: unknown format(s) {bad}; choose from {', '.join(WRITERS)} or all")
+    return names
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Any failure (disk full, ^C) removes the temporary file; the old output stays intact.
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_outputs(result, out_stem: Path, formats: list[str]) -> None:
+    """Write one file's transcript in each format: `out_stem` + `.txt`, `.json`, ..."""
+    for fmt in formats:
+        atomic_write_text(out_stem.with_name(out_stem.name + "." + fmt), WRITERS[fmt](result))
+
+
+class ResultsLog:
+    """`results.jsonl`, appended one complete line per file and flushed at once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _repair_tail(path)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def append(self, record: dict) -> None:
+        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "ResultsLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _repair_tail(path: Path) -> None:
+    """Drop a trailing partial line (a kill mid-write on a filesystem without atomic appends)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def read_results(path: Path) -> list[dict]:
+    """Every complete record of a results.jsonl (a missing file has none)."""
+    if not path.exists():
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.endswith("\n") and line.strip():
+                out.append(json.loads(line))
+    return out
