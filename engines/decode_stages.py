@@ -1,0 +1,216 @@
+"""Batched greedy label-looping decoding for TDT and RNN-T, as stage functions over fixed state.
+
+This is NeMo's `GreedyBatched{TDT,RNNT}LabelLoopingComputer.torch_impl` (arXiv 2406.06220):
+instead of looping over frames, each outer step finds the NEXT non-blank label of every
+utterance (inner loop: re-evaluate the joint while the answer is blank, jumping frames), stores
+it, and runs the prediction network once for the whole batch. All tensors live in a
+preallocated `DecodeState` and every stage updates them in place with masked `torch.where`
+(never boolean indexing, never `.item()`), so the same stage functions can later be captured
+unchanged into CUDA graphs; the eager driver below syncs only on its two loop conditions.
+
+RNN-T is TDT with an implicit duration table: blank advances one frame, a label advances none.
+TDT rules kept exactly: label argmax over `logits[:, :-K]`, duration argmax over
+`logits[:, -K:]` (K = len(durations)), and a blank whose predicted duration is 0 advances 1.
+Both: after `max_symbols` labels on one frame a blank is forced (time += 1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # only for annotations: transducer.py imports this module
+    from engines.transducer import Joint, PredictionNetwork, TransducerConfig
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One utterance's greedy result. `frames`: encoder frame of each token; `durations`: TDT
+    predicted duration in frames (CTC: run length; empty for RNN-T)."""
+
+    tokens: list[int]
+    frames: list[int]
+    durations: list[int]
+
+
+@dataclass
+class DecodeState:
+    """Preallocated decoding state for a batch of B utterances, T frames, capacity C tokens.
+
+    Shapes: enc_proj [B, T, J]; per-item vectors [B]; h, c [L, B, H]; pred_out [B, J];
+    output buffers [B, C + 1] (the extra column absorbs the unmasked write of finished items).
+    """
+
+    enc_proj: torch.Tensor  # projected encoder output (joint.enc applied once)
+    lengths: torch.Tensor  # valid frames per item
+    last_frame: torch.Tensor  # max(lengths - 1, 0): gather index that is always in range
+    batch_idx: torch.Tensor  # arange(B), constant
+    duration_table: torch.Tensor  # TDT durations [K] (long); empty for RNN-T
+    time: torch.Tensor  # current frame of each item (may pass lengths when done)
+    safe_time: torch.Tensor  # min(time, last_frame)
+    label_time: torch.Tensor  # frame at which the current label was found
+    labels: torch.Tensor  # current label (blank = "none found yet")
+    step_durations: torch.Tensor  # duration predicted with the current label
+    active: torch.Tensor  # time < lengths
+    active_prev: torch.Tensor  # active at the start of this outer step
+    advance: torch.Tensor  # active and still blank: inner loop must evaluate the joint again
+    found: torch.Tensor  # a non-blank label was found this outer step
+    pred_out: torch.Tensor  # projected prediction-network output for the last label
+    h: torch.Tensor  # LSTM hidden state
+    c: torch.Tensor  # LSTM cell state
+    tokens: torch.Tensor  # output token ids
+    frames: torch.Tensor  # output token frames
+    durations: torch.Tensor  # output token durations
+    count: torch.Tensor  # tokens written per item (write index)
+    last_emit_frame: torch.Tensor  # frame of the last stored token (-1 = none)
+    same_frame_count: torch.Tensor  # tokens stored on last_emit_frame so far
+
+
+def init_state(enc_proj: torch.Tensor, lengths: torch.Tensor, prediction: "PredictionNetwork",
+               joint: "Joint", cfg: "TransducerConfig") -> DecodeState:
+    """Allocate the state and prime the prediction network with the blank (SOS) symbol."""
+    B, T, _ = enc_proj.shape
+    dev = enc_proj.device
+    lengths = lengths.to(device=dev, dtype=torch.long)
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    capacity = T * cfg.max_symbols + 1  # at most max_symbols tokens per frame
+    sos = torch.full((B,), cfg.blank_id, dtype=torch.long, device=dev)
+    hc0 = torch.zeros(cfg.pred_rnn_layers, B, cfg.pred_hidden, dtype=enc_proj.dtype, device=dev)
+    out, (h, c) = prediction.step(sos, (hc0, hc0.clone()))
+    return DecodeState(
+        enc_proj=enc_proj, lengths=lengths, last_frame=(lengths - 1).clamp(min=0),
+        batch_idx=torch.arange(B, device=dev),
+        duration_table=torch.tensor(cfg.durations, dtype=torch.long, device=dev),
+        time=zeros.clone(), safe_time=zeros.clone(), label_time=zeros.clone(), labels=sos.clone(),
+        step_durations=zeros.clone(), active=lengths > 0, active_prev=torch.zeros_like(lengths, dtype=torch.bool),
+        advance=torch.zeros_like(lengths, dtype=torch.bool), found=torch.zeros_like(lengths, dtype=torch.bool),
+        pred_out=joint.pred(out), h=h, c=c,
+        tokens=torch.zeros(B, capacity, dtype=torch.long, device=dev),
+        frames=torch.zeros(B, capacity, dtype=torch.long, device=dev),
+        durations=torch.zeros(B, capacity, dtype=torch.long, device=dev),
+        count=zeros.clone(), last_emit_frame=torch.full_like(zeros, -1), same_frame_count=zeros.clone(),
+    )
+
+
+def _joint_step(state: DecodeState, joint: "Joint", cfg: "TransducerConfig"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Joint at each item's safe_time with its last prediction -> (labels [B], durations [B]).
+
+    Durations are the raw TDT prediction (0 for RNN-T); blank adjustments happen in the stages
+    because they depend on the label after masking."""
+    logits = joint.logits(state.enc_proj[state.batch_idx, state.safe_time], state.pred_out)
+    k = state.duration_table.numel()
+    if k == 0:
+        _, labels = logits.max(dim=-1)
+        return labels, torch.zeros_like(labels)
+    _, labels = logits[:, :-k].max(dim=-1)
+    return labels, state.duration_table[logits[:, -k:].argmax(dim=-1)]
+
+
+def _blank_advance(durations: torch.Tensor, blank: torch.Tensor, is_tdt: bool) -> torch.Tensor:
+    """Frames to advance: RNN-T: 1 on blank, 0 on a label. TDT: predicted, but >= 1 on blank."""
+    if not is_tdt:
+        return blank.long()
+    return durations.masked_fill(torch.logical_and(durations == 0, blank), 1)
+
+
+def _update_time_masks(state: DecodeState, blank: torch.Tensor) -> None:
+    torch.minimum(state.time, state.last_frame, out=state.safe_time)
+    torch.less(state.time, state.lengths, out=state.active)
+    torch.logical_and(state.active, blank, out=state.advance)
+
+
+def stage_first_joint(state: DecodeState, joint: "Joint", cfg: "TransducerConfig") -> None:
+    """Stage 1.1: first joint evaluation of an outer step, for every item."""
+    state.active_prev.copy_(state.active)
+    labels, durations = _joint_step(state, joint, cfg)
+    blank = labels == cfg.blank_id
+    step = _blank_advance(durations, blank, cfg.is_tdt)
+    state.labels.copy_(labels)
+    state.step_durations.copy_(step)
+    state.label_time.copy_(state.time)
+    state.time.add_(step * state.active)  # same as: time[active] += step[active]
+    _update_time_masks(state, blank)
+
+
+def stage_inner_joint(state: DecodeState, joint: "Joint", cfg: "TransducerConfig") -> None:
+    """Stage 1.2 (inner loop body): items still on blank look again at their new frame."""
+    adv = state.advance
+    torch.where(adv, state.time, state.label_time, out=state.label_time)  # same as: label_time[adv] = time[adv]
+    labels, durations = _joint_step(state, joint, cfg)
+    torch.where(adv, labels, state.labels, out=state.labels)  # same as: labels[adv] = labels_new[adv]
+    blank = state.labels == cfg.blank_id
+    step = _blank_advance(durations, blank, cfg.is_tdt)
+    # Masked, unlike NeMo's batched code (which overwrites every item's duration here): keeps
+    # stored durations independent of what else is in the batch; equals NeMo at batch size 1.
+    torch.where(adv, step, state.step_durations, out=state.step_durations)  # same as: d[adv] = step[adv]
+    torch.where(adv, state.time + step, state.time, out=state.time)  # same as: time[adv] += step[adv]
+    _update_time_masks(state, blank)
+
+
+def stage_store(state: DecodeState, cfg: "TransducerConfig") -> None:
+    """Stage 2: append the found labels (items that were active and ended on a non-blank)."""
+    torch.logical_and(state.active_prev, state.labels != cfg.blank_id, out=state.found)
+    found = state.found
+    # Unmasked write at each item's write index; only `count += found` makes it stick.
+    state.tokens[state.batch_idx, state.count] = state.labels
+    state.frames[state.batch_idx, state.count] = state.label_time
+    state.durations[state.batch_idx, state.count] = state.step_durations
+    same = torch.logical_and(found, state.last_emit_frame == state.label_time)
+    new_frame = torch.logical_and(found, state.last_emit_frame != state.label_time)
+    torch.where(same, state.same_frame_count + 1, state.same_frame_count, out=state.same_frame_count)
+    state.same_frame_count.masked_fill_(new_frame, 1)  # same as: same_frame_count[new_frame] = 1
+    torch.where(found, state.label_time, state.last_emit_frame, out=state.last_emit_frame)
+    state.count.add_(found.long())
+
+
+def stage_predict(state: DecodeState, prediction: "PredictionNetwork", joint: "Joint") -> None:
+    """Stage 3: advance the prediction network for items with a new label (others keep theirs)."""
+    out, (h, c) = prediction.step(state.labels, (state.h, state.c))
+    g = joint.pred(out)  # projected once per step, reused by every joint call until the next label
+    found = state.found
+    torch.where(found[:, None], g, state.pred_out, out=state.pred_out)  # same as: pred_out[found] = g[found]
+    torch.where(found[None, :, None], h, state.h, out=state.h)  # same as: h[:, found] = h_new[:, found]
+    torch.where(found[None, :, None], c, state.c, out=state.c)
+
+
+def stage_force_blank(state: DecodeState, cfg: "TransducerConfig") -> None:
+    """Stage 4: after max_symbols labels on the current frame, act as if blank was emitted."""
+    force = torch.logical_and(state.active, state.labels != cfg.blank_id)
+    force = torch.logical_and(force, state.same_frame_count >= cfg.max_symbols)
+    force = torch.logical_and(force, state.last_emit_frame == state.time)
+    state.time.add_(force.long())  # same as: time[force] += 1
+    torch.minimum(state.time, state.last_frame, out=state.safe_time)
+    torch.less(state.time, state.lengths, out=state.active)
+
+
+def run_label_looping(state: DecodeState, prediction: "PredictionNetwork", joint: "Joint",
+                      cfg: "TransducerConfig") -> None:
+    """Eager driver: the only host syncs are the two loop conditions."""
+    while state.active.any():
+        stage_first_joint(state, joint, cfg)
+        while state.advance.any():
+            stage_inner_joint(state, joint, cfg)
+        stage_store(state, cfg)
+        stage_predict(state, prediction, joint)
+        stage_force_blank(state, cfg)
+
+
+def collect(state: DecodeState, with_durations: bool) -> list[Hypothesis]:
+    """Copy the output buffers to Python lists (one device->host transfer per buffer)."""
+    counts = state.count.cpu().tolist()
+    tokens, frames, durations = state.tokens.cpu(), state.frames.cpu(), state.durations.cpu()
+    return [
+        Hypothesis(tokens[b, :n].tolist(), frames[b, :n].tolist(),
+                   durations[b, :n].tolist() if with_durations else [])
+        for b, n in enumerate(counts)
+    ]
+
+
+def label_looping_decode(enc_proj: torch.Tensor, lengths: torch.Tensor, prediction: "PredictionNetwork",
+                         joint: "Joint", cfg: "TransducerConfig") -> list[Hypothesis]:
+    """enc_proj [B, T, J] (joint.enc already applied), lengths [B] -> B hypotheses."""
+    state = init_state(enc_proj, lengths, prediction, joint, cfg)
+    run_label_looping(state, prediction, joint, cfg)
+    return collect(state, with_durations=cfg.is_tdt)

@@ -1,0 +1,244 @@
+"""Transducer (TDT / RNN-T) decoding of NeMo `.nemo` checkpoints: config, modules, entry point.
+
+The entry point other code calls is `TransducerDecoder`:
+
+    archive = NemoArchive("model.nemo")
+    dec = TransducerDecoder.from_archive(archive)
+    hyps = dec.decode(encoder_out, lengths)     # encoder_out [B, D, T] float, lengths [B] int
+    hyps[0].tokens, hyps[0].frames, hyps[0].durations
+    dec.decode_ctc(encoder_out, lengths)        # hybrid TDT/RNN-T + CTC checkpoints only
+
+`decode` is NeMo's batched greedy label-looping search (`decode_stages.py`), token-for-token
+identical to `GreedyBatched{TDT,RNNT}LabelLoopingComputer`. `frames` are encoder frame indices
+of each emitted token; `durations` are TDT's predicted durations in frames (empty for RNN-T).
+Seconds per frame are `config.window_stride * config.subsampling_factor`.
+
+Modules keep NeMo's parameter names (`prediction.embed`, `prediction.dec_rnn.lstm.*`,
+`enc`, `pred`, `joint_net.N`), so the state dict loads by prefix, strictly, onto modules
+built on the meta device (no random init, no copy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engines.checkpoint import sub_state_dict
+from engines.ctc import CTCHead, ctc_config_from_nemo, greedy_ctc
+from engines.decode_stages import Hypothesis, label_looping_decode
+
+SUPPORTED_TARGETS = ("EncDecRNNTBPEModel", "EncDecHybridRNNTCTCBPEModel")
+_ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "silu": nn.SiLU, "swish": nn.SiLU}
+
+
+def _get(cfg: dict[str, Any], dotted: str, default: Any = ...) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            if default is ...:
+                raise ValueError(f"config key {dotted!r} is missing")
+            return default
+        node = node[part]
+    return node
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"config key {key!r} = {value!r} is not supported: {why}")
+
+
+@dataclass(frozen=True)
+class TransducerConfig:
+    """Everything decoding needs from `model_config.yaml`. Sizes are feature widths."""
+
+    vocab_size: int  # tokens, without blank
+    blank_id: int  # = vocab_size for NeMo BPE transducers
+    durations: tuple[int, ...]  # TDT durations in frames; () for plain RNN-T
+    max_symbols: int  # max tokens emitted on one frame before a blank is forced
+    enc_hidden: int
+    pred_hidden: int
+    pred_rnn_layers: int
+    joint_hidden: int
+    activation: str
+    joint_dropout: bool  # NeMo puts a Dropout at joint_net.1 iff dropout > 0 (shifts key names)
+    num_outputs: int  # joint output width: vocab + blank + extra outputs
+    joint_log_softmax: bool | None  # None = NeMo's "auto": log-softmax on CPU only
+    window_stride: float  # seconds per feature frame
+    subsampling_factor: int  # feature frames per encoder frame
+
+    @property
+    def is_tdt(self) -> bool:
+        return len(self.durations) > 0
+
+    @property
+    def frame_seconds(self) -> float:
+        return self.window_stride * self.subsampling_factor
+
+    @classmethod
+    def from_nemo(cls, cfg: dict[str, Any]) -> "TransducerConfig":
+        """Validate and read a NeMo model config; ValueError names the offending key and value."""
+        target = str(cfg.get("target", ""))
+        _require(target.rsplit(".", 1)[-1] in SUPPORTED_TARGETS, "target", target,
+                 f"transducer decoding needs one of {SUPPORTED_TARGETS}")
+        vocab = _get(cfg, "decoder.vocab_size")
+        _require(isinstance(vocab, int) and vocab > 0, "decoder.vocab_size", vocab, "must be a positive int")
+        _require(_get(cfg, "decoder.normalization_mode", None) is None, "decoder.normalization_mode",
+                 _get(cfg, "decoder.normalization_mode", None), "only None")
+        _require(_get(cfg, "decoder.blank_as_pad", True) is True, "decoder.blank_as_pad",
+                 _get(cfg, "decoder.blank_as_pad", True), "only True (blank is the SOS/pad symbol)")
+        pred_hidden = _get(cfg, "decoder.prednet.pred_hidden")
+        rnn_hidden = _get(cfg, "decoder.prednet.rnn_hidden_size", -1)
+        _require(rnn_hidden in (-1, None, pred_hidden), "decoder.prednet.rnn_hidden_size", rnn_hidden,
+                 "projected LSTMs are not implemented")
+        num_classes = _get(cfg, "joint.num_classes")
+        _require(num_classes == vocab, "joint.num_classes", num_classes, f"must equal decoder.vocab_size={vocab}")
+        activation = str(_get(cfg, "joint.jointnet.activation", "relu")).lower()
+        _require(activation in _ACTIVATIONS, "joint.jointnet.activation", activation, f"one of {sorted(_ACTIVATIONS)}")
+        log_softmax = _get(cfg, "joint.log_softmax", None)
+        _require(log_softmax in (None, True, False), "joint.log_softmax", log_softmax, "must be null or a bool")
+        # NeMo reads num_extra_outputs from the joint section itself (not jointnet).
+        extra = _get(cfg, "joint.num_extra_outputs", 0) or 0
+        return cls(
+            vocab_size=vocab, blank_id=vocab, durations=_durations(cfg), max_symbols=_max_symbols(cfg),
+            enc_hidden=_get(cfg, "joint.jointnet.encoder_hidden"), pred_hidden=pred_hidden,
+            pred_rnn_layers=_get(cfg, "decoder.prednet.pred_rnn_layers"),
+            joint_hidden=_get(cfg, "joint.jointnet.joint_hidden"), activation=activation,
+            joint_dropout=bool(_get(cfg, "joint.jointnet.dropout", 0.0)),
+            num_outputs=num_classes + 1 + int(extra), joint_log_softmax=log_softmax,
+            window_stride=float(_get(cfg, "preprocessor.window_stride")),
+            subsampling_factor=int(_get(cfg, "encoder.subsampling_factor")),
+        )
+
+
+def _durations(cfg: dict[str, Any]) -> tuple[int, ...]:
+    dec = _get(cfg, "decoding", {}) or {}
+    strategy = dec.get("strategy", "greedy_batch")
+    _require(strategy in ("greedy", "greedy_batch"), "decoding.strategy", strategy, "only greedy decoding")
+    big = dec.get("big_blank_durations") or []
+    _require(not big and dec.get("model_type") != "multiblank", "decoding.big_blank_durations", big,
+             "multi-blank RNN-T is not implemented")
+    temperature = dec.get("temperature", 1.0)
+    _require(temperature == 1.0, "decoding.temperature", temperature, "only 1.0")
+    durations = dec.get("durations") or []
+    _require(isinstance(durations, list) and all(isinstance(d, int) and d >= 0 for d in durations),
+             "decoding.durations", durations, "must be a list of non-negative ints")
+    return tuple(durations)
+
+
+def _max_symbols(cfg: dict[str, Any]) -> int:
+    greedy = _get(cfg, "decoding.greedy", {}) or {}
+    value = greedy.get("max_symbols") or greedy.get("max_symbols_per_step")
+    # NeMo allows None (no cap, growing buffers); preallocated state needs a bound.
+    _require(isinstance(value, int) and value >= 1, "decoding.greedy.max_symbols", value, "must be an int >= 1")
+    return value
+
+
+class _DecRNN(nn.Module):
+    """NeMo's LSTMDropout: holds the LSTM as `.lstm` (dropout is training-only)."""
+
+    def __init__(self, hidden: int, layers: int):
+        super().__init__()
+        self.lstm = nn.LSTM(hidden, hidden, layers)
+
+
+class PredictionNetwork(nn.Module):
+    """RNN-T prediction network: embedding (blank = last row, all zeros) + LSTM stack."""
+
+    def __init__(self, cfg: TransducerConfig):
+        super().__init__()
+        self.prediction = nn.ModuleDict({
+            "embed": nn.Embedding(cfg.vocab_size + 1, cfg.pred_hidden),
+            "dec_rnn": _DecRNN(cfg.pred_hidden, cfg.pred_rnn_layers),
+        })
+
+    def step(self, labels: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One label per item. labels [B] long; state (h, c) each [L, B, H] -> out [B, H], state."""
+        emb = self.prediction["embed"](labels).unsqueeze(0)  # [1, B, H]: LSTM is time-major
+        out, (h, c) = self.prediction["dec_rnn"].lstm(emb, state)
+        return out.squeeze(0), (h, c)
+
+
+class Joint(nn.Module):
+    """RNN-T / TDT joint: enc and pred projections, activation, output layer."""
+
+    def __init__(self, cfg: TransducerConfig):
+        super().__init__()
+        self.enc = nn.Linear(cfg.enc_hidden, cfg.joint_hidden)
+        self.pred = nn.Linear(cfg.pred_hidden, cfg.joint_hidden)
+        layers: list[nn.Module] = [_ACTIVATIONS[cfg.activation]()]
+        if cfg.joint_dropout:
+            layers.append(nn.Dropout(0.0))  # placeholder keeps NeMo's index of the output layer
+        layers.append(nn.Linear(cfg.joint_hidden, cfg.num_outputs))
+        self.joint_net = nn.Sequential(*layers)
+        self.log_softmax = cfg.joint_log_softmax
+
+    def logits(self, f: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Projected encoder frame f [B, J] + projected prediction g [B, J] -> [B, num_outputs].
+
+        Like NeMo, log-softmax over the whole output (tokens, blank and durations) when
+        `log_softmax` is None on CPU: it never changes an argmax in exact arithmetic, but the
+        rounding it adds decides rare float ties, so we keep it to stay bit-identical."""
+        out = self.joint_net(f + g)
+        if self.log_softmax or (self.log_softmax is None and not out.is_cuda):
+            out = out.log_softmax(dim=-1)
+        return out
+
+
+def _load(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:
+    module.load_state_dict(sub_state_dict(state, prefix), strict=True, assign=True)
+    return module.eval()
+
+
+class TransducerDecoder:
+    """Greedy TDT / RNN-T decoding (plus the CTC head of hybrid models) from encoder output."""
+
+    def __init__(self, config: TransducerConfig, prediction: PredictionNetwork, joint: Joint,
+                 ctc_head: CTCHead | None = None):
+        self.config = config
+        self.prediction = prediction
+        self.joint = joint
+        self.ctc_head = ctc_head
+
+    @classmethod
+    def from_archive(cls, archive: Any, state_dict: dict[str, torch.Tensor] | None = None) -> "TransducerDecoder":
+        """Build from a `NemoArchive` (pass `state_dict` if already loaded, to read it once)."""
+        cfg = TransducerConfig.from_nemo(archive.config)
+        state = archive.state_dict() if state_dict is None else state_dict
+        with torch.device("meta"):
+            prediction, joint = PredictionNetwork(cfg), Joint(cfg)
+        ctc_head = None
+        ctc_cfg = ctc_config_from_nemo(archive.config) if "aux_ctc" in archive.config else None
+        if ctc_cfg is not None:
+            with torch.device("meta"):
+                ctc_head = CTCHead(ctc_cfg)
+            _load(ctc_head, state, ctc_cfg.state_prefix)
+        return cls(cfg, _load(prediction, state, "decoder"), _load(joint, state, "joint"), ctc_head)
+
+    def to(self, device: torch.device | str) -> "TransducerDecoder":
+        """Move all modules (e.g. to "cuda"); decode() then expects encoder_out there too."""
+        for module in (self.prediction, self.joint, self.ctc_head):
+            if module is not None:
+                module.to(device)
+        return self
+
+    @torch.inference_mode()
+    def decode(self, encoder_out: torch.Tensor, lengths: torch.Tensor) -> list[Hypothesis]:
+        """encoder_out [B, D, T] (NeMo's encoder layout), lengths [B] valid frames -> B hypotheses."""
+        if encoder_out.dim() != 3 or encoder_out.shape[1] != self.config.enc_hidden:
+            raise ValueError(f"encoder_out must be [B, {self.config.enc_hidden}, T], got {tuple(encoder_out.shape)}")
+        enc_proj = self.joint.enc(encoder_out.transpose(1, 2))  # projected once: [B, T, J]
+        return label_looping_decode(enc_proj, lengths.to(enc_proj.device), self.prediction, self.joint, self.config)
+
+    @torch.inference_mode()
+    def ctc_log_probs(self, encoder_out: torch.Tensor) -> torch.Tensor:
+        """Hybrid models' CTC head: [B, D, T] -> log-probs [B, T, vocab + 1]."""
+        if self.ctc_head is None:
+            raise ValueError("this checkpoint has no CTC head (config has no 'aux_ctc')")
+        return self.ctc_head(encoder_out)
+
+    def decode_ctc(self, encoder_out: torch.Tensor, lengths: torch.Tensor) -> list[Hypothesis]:
+        """Greedy CTC with the hybrid's auxiliary head (argmax, collapse repeats, drop blank)."""
+        return greedy_ctc(self.ctc_log_probs(encoder_out), lengths, blank_id=self.config.blank_id)

@@ -1,0 +1,124 @@
+"""Word / segment timestamps from decoded tokens vs NeMo's `timestamps['word']`, exactly."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+
+from conftest import NEMO_REF, Reference, needs_shared
+from engines.checkpoint import NemoArchive
+from engines.tokenizer import Tokenizer
+from engines.transducer import TransducerDecoder
+from transcribe.results import Segment, Word
+from transcribe.timestamps import FrameTiming, _Span, build_result, segment_spans
+
+TIMING = FrameTiming(window_stride=0.01, subsampling_factor=8)
+
+
+@lru_cache(maxsize=None)
+def parts(variant: str) -> tuple[TransducerDecoder, Tokenizer]:
+    archive = NemoArchive(NEMO_REF / variant / "model.nemo")
+    return TransducerDecoder.from_archive(archive), Tokenizer.from_archive(archive)
+
+
+@lru_cache(maxsize=None)
+def hypothesis(variant: str, i: int):
+    enc = torch.from_numpy(Reference(variant).array("encoder", i))
+    return parts(variant)[0].decode(enc[None], torch.tensor([enc.shape[1]]))[0]
+
+
+def result_for(ref: Reference, i: int, offset_s: float = 0.0):
+    dec, tok = parts(ref.dir.name)
+    hyp = hypothesis(ref.dir.name, i)
+    timing = FrameTiming(dec.config.window_stride, dec.config.subsampling_factor)
+    kind = "tdt" if dec.config.is_tdt else "rnnt"
+    return build_result(tok, hyp.tokens, hyp.frames, hyp.durations, kind, timing, offset_s=offset_s)
+
+
+def test_words_equal_nemo_exactly(reference: Reference):
+    for i, f in enumerate(reference.files):
+        res = result_for(reference, i)
+        got = [{"word": w.word, "start": w.start, "end": w.end} for w in res.words]
+        assert got == f["words"], f"file {i}"  # strings and float times, bit for bit
+        assert res.text == f["transcribe_text"]
+        assert res.tokens == f["tokens"]
+
+
+def test_segments_cover_words(reference: Reference):
+    # these vocabularies hold no '.', '?' or '!': one segment per file, as NeMo produces
+    for i in range(len(reference.files)):
+        res = result_for(reference, i)
+        assert res.segments == [Segment(" ".join(w.word for w in res.words), res.words[0].start, res.words[-1].end)]
+
+
+@needs_shared
+def test_rnnt_words_from_nemo_token_frames():
+    """RNN-T needs no durations: NeMo's own token frames give NeMo's words."""
+    ref = Reference("rnnt_tiny")
+    _, tok = parts("rnnt_tiny")
+    for i, f in enumerate(ref.files):
+        res = build_result(tok, ref.array("tokens", i), ref.array("token_frames", i).tolist(), [], "rnnt", TIMING)
+        assert [(w.word, w.start, w.end) for w in res.words] == [(w["word"], w["start"], w["end"]) for w in f["words"]]
+    assert any(w["word"] == " \u2047 " for w in ref.files[0]["words"])  # each <unk> is its own word
+
+
+@needs_shared
+def test_offset_shifts_every_time():
+    ref = Reference("tdt_tiny")
+    base, shifted = result_for(ref, 2), result_for(ref, 2, offset_s=30.0)
+    assert [w.word for w in shifted.words] == [w.word for w in base.words]
+    for a, b in zip(base.words + base.segments, shifted.words + shifted.segments):
+        assert b.start == pytest.approx(a.start + 30.0, abs=1e-9) and b.end == pytest.approx(a.end + 30.0, abs=1e-9)
+
+
+@needs_shared
+def test_tdt_punctuation_is_pinned_to_previous_word():
+    _, tok = parts("tdt_tiny")
+    # '▁the'@0 (2 frames), "'"@9: the apostrophe is glued to "the" and gets a zero-length span at 2
+    res = build_result(tok, [10, 121, 3], [0, 9, 12], [2, 1, 1], "tdt", TIMING)
+    assert res.words == [Word("the'", 0.0, 2 * 0.01 * 8), Word("t", 12 * 0.01 * 8, 13 * 0.01 * 8)]
+    # RNN-T: no refinement, one frame per token
+    res = build_result(tok, [10, 121, 3], [0, 9, 12], [], "rnnt", TIMING)
+    assert res.words == [Word("the'", 0.0, 10 * 0.01 * 8), Word("t", 12 * 0.01 * 8, 13 * 0.01 * 8)]
+
+
+@needs_shared
+def test_unk_and_bare_space_words():
+    _, tok = parts("tdt_tiny")
+    # '▁the' 're' '<unk>' 're' '▁' 'e': unk starts a word; a bare '▁' starts the next word
+    res = build_result(tok, [10, 7, 0, 7, 100, 101], [0, 1, 2, 3, 4, 5], [], "rnnt", TIMING)
+    assert [w.word for w in res.words] == ["there", " \u2047 re", "e"]
+    assert [w.start for w in res.words] == [0.0, 2 * 0.01 * 8, 4 * 0.01 * 8]
+    assert res.text == "there \u2047 re e"
+
+
+def _words(*items: tuple[str, int, int]) -> list[_Span]:
+    return [_Span(text, "", start, end) for text, start, end in items]
+
+
+def test_segments_split_on_sentence_punctuation():
+    words = _words(("Hello", 0, 2), ("world.", 3, 5), ("How", 6, 7), ("are", 7, 8), ("you?", 8, 9), ("Fine", 20, 22))
+    segs = segment_spans(words)
+    assert [(s.text, s.start, s.end) for s in segs] == [
+        ("Hello world.", 0, 5), ("How are you?", 6, 9), ("Fine", 20, 22)]
+
+
+def test_segments_split_on_long_gaps_too():
+    words = _words(("a", 0, 1), ("b", 2, 3), ("c.", 3, 4), ("d", 30, 31), ("e", 31, 32))
+    segs = segment_spans(words, max_gap_frames=10)
+    assert [(s.text, s.start, s.end) for s in segs] == [("a b c.", 0, 4), ("d e", 30, 32)]
+    segs = segment_spans(_words(("a", 0, 1), ("b", 25, 26)), max_gap_frames=10)
+    assert [s.text for s in segs] == ["a", "b"]
+    assert [s.text for s in segment_spans(_words(("a", 0, 1), ("b", 25, 26)))] == ["a b"]
+
+
+@needs_shared
+def test_build_result_gap_in_seconds_and_edge_cases():
+    _, tok = parts("tdt_tiny")
+    res = build_result(tok, [10, 3], [0, 40], [1, 1], "tdt", TIMING, max_gap_s=1.0)
+    assert [s.text for s in res.segments] == ["the", "t"]
+    empty = build_result(tok, [], [], [], "tdt", TIMING)
+    assert (empty.text, empty.words, empty.segments, empty.tokens) == ("", [], [], [])
+    with pytest.raises(ValueError, match="one frame and duration per token"):
+        build_result(tok, [10, 3], [0, 1], [1], "tdt", TIMING)
