@@ -1,0 +1,100 @@
+"""The command line end to end: NeMo parity through files on disk, exit codes, resume."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from conftest import NEMO_REF, OFFLINE_VARIANTS, Reference, needs_shared
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "transcribe.cli", *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=cwd)
+
+
+def _manifest(ref: Reference, path: Path) -> Path:
+    path.write_text("".join(json.dumps({"audio_filepath": str(ref.audio_path(i))}) + "\n" for i in range(len(ref.files))))
+    return path
+
+
+@needs_shared
+@pytest.mark.parametrize("variant", OFFLINE_VARIANTS)
+def test_cli_reproduces_nemo(variant, tmp_path):
+    ref = Reference(variant)
+    out = tmp_path / "out"
+    p = run_cli(str(_manifest(ref, tmp_path / "m.jsonl")), "--model", str(ref.nemo), "--out", str(out),
+                "--format", "json,txt", "--batch-seconds", "45")
+    assert p.returncode == 0, p.stderr
+    rows = {r["audio_filepath"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert len(rows) == len(ref.files)
+    for i, f in enumerate(ref.files):
+        audio = ref.audio_path(i)
+        row = rows[str(audio)]
+        assert row["status"] == "ok" and row["error"] is None and row["model"] == str(ref.nemo)
+        assert row["text"] == f["transcribe_text"]
+        assert abs(row["duration"] - f["samples"] / 16000) < 1e-3
+        (json_out,) = list(out.rglob(audio.stem + ".json"))
+        doc = json.loads(json_out.read_text())
+        assert [(w["word"], w["start"], w["end"]) for w in doc["words"]] == [
+            (w["word"], round(w["start"], 3), round(w["end"], 3)) for w in f["words"]]
+    assert "RTFx" in p.stderr
+
+
+@needs_shared
+def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
+    ref = Reference("tdt_tiny")
+    inp = tmp_path / "in"
+    inp.mkdir()
+    good = [inp / "a.flac", inp / "b.flac"]
+    for i, g in enumerate(good):
+        g.write_bytes(ref.audio_path(i).read_bytes())
+    (inp / "empty.wav").write_bytes(b"")
+    (inp / "text.wav").write_text("not audio at all")
+    sf.write(inp / "silence_short.wav", np.zeros(10, dtype=np.float32), 16000)
+    out = tmp_path / "out"
+    p = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out))
+    assert p.returncode == 3, p.stderr
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    status = {Path(r["audio_filepath"]).name: r for r in rows}
+    assert {k for k, r in status.items() if r["status"] == "ok"} == {"a.flac", "b.flac"}
+    for bad in ("empty.wav", "text.wav", "silence_short.wav"):
+        assert status[bad]["status"] == "error" and bad in status[bad]["error"]
+    assert (out / "a.txt").read_text().strip() == ref.files[0]["transcribe_text"].strip()
+
+    # A rerun skips the finished files, retries the failed ones, and keeps one line per file.
+    mtime = (out / "a.txt").stat().st_mtime_ns
+    p2 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out))
+    assert p2.returncode == 3
+    rows2 = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(Path(r["audio_filepath"]).name for r in rows2) == sorted(status)
+    assert (out / "a.txt").stat().st_mtime_ns == mtime
+    assert "2 already done" in p2.stderr
+
+
+def test_usage_and_nothing_to_do_exit_codes(tmp_path):
+    assert run_cli(str(tmp_path), "--format", "docx").returncode == 2
+    assert run_cli(str(tmp_path)).returncode == 1  # an empty folder: no inputs
+    assert run_cli(str(tmp_path / "missing.wav"), "--model", str(tmp_path / "none.nemo")).returncode == 1
+    assert run_cli("bench").returncode == 2  # missing INPUT argument
+
+
+@needs_shared
+def test_bench_report_has_the_contract_fields(tmp_path):
+    ref = Reference("tdt_tiny")
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("".join(
+        json.dumps({"audio_filepath": str(ref.audio_path(i)), "text": ref.files[i]["transcribe_text"]}) + "\n"
+        for i in range(3)))
+    p = run_cli("bench", str(manifest), "--model", str(ref.nemo), "--json", str(tmp_path / "r.json"))
+    assert p.returncode == 0, p.stderr
+    r = json.loads((tmp_path / "r.json").read_text())
+    for key in ("audio_seconds", "wall_seconds", "rtfx", "wer", "files", "stages", "device", "model", "peak_memory_bytes"):
+        assert key in r
+    assert r["files"] == 3 and r["wer"] == 0.0  # references are the model's own transcripts
+    assert r["rtfx"] > 0 and r["stages"]["encoder"] > 0 and "RTFx" in p.stdout
