@@ -12,6 +12,9 @@ SHARED = (ROOT / ".." / "shared").resolve()
 NEMO_REF = SHARED / "fixtures" / "nemo_reference"
 SPEECH = SHARED / "data" / "speech"
 OFFLINE_VARIANTS = ["tdt_tiny", "tdt_128mel", "rnnt_tiny", "tdt_ctc_tiny"]
+# NeMo references made by bench/make_nemo_references.py for architectures the fixtures lack.
+NEMO_EXTRA = ROOT / "tests" / "data" / "nemo_extra"
+EXTRA_VARIANTS = ["tdt_striding4", "tdt_dw16_128mel", "ctc_dw8"]
 
 needs_shared = pytest.mark.skipif(
     not NEMO_REF.is_dir(), reason=f"shared fixtures not found at {NEMO_REF} (CI always has them)"
@@ -21,8 +24,8 @@ needs_shared = pytest.mark.skipif(
 class Reference:
     """One fixture variant: its `.nemo`, NeMo's per-file outputs (json) and arrays (npz)."""
 
-    def __init__(self, variant: str):
-        self.dir = NEMO_REF / variant
+    def __init__(self, variant: str, base: Path = NEMO_REF):
+        self.dir = base / variant
         self.nemo = self.dir / "model.nemo"
         meta = json.loads((self.dir / "reference.json").read_text())
         self.spec = meta.get("spec", {})

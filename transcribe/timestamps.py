@@ -63,10 +63,16 @@ def token_spans(tokenizer: Tokenizer, tokens: Sequence[int], frames: Sequence[in
     pieces = tokenizer.pieces(tokens)
     spans = []
     for i, (piece, frame) in enumerate(zip(pieces, frames)):
+        if kind == "ctc":
+            # NeMo's CTC offsets: token k spans [frame of token k-1, its own first frame], the
+            # first token starting one frame early; so words tile the time axis without gaps.
+            start = frames[i - 1] if i > 0 else max(0, frames[0] - 1)
+            spans.append(_Span(tokenizer.decode_pieces([piece]), piece, int(start), int(frame)))
+            continue
         end = frame + 1 if kind == "rnnt" else frame + durations[i]
         spans.append(_Span(tokenizer.decode_pieces([piece]), piece, int(frame), int(end)))
     punctuation = tokenizer.supported_punctuation
-    if kind == "tdt" and punctuation:
+    if kind in ("tdt", "ctc") and punctuation:  # NeMo refines TDT and CTC offsets, not RNN-T's
         for i in range(1, len(spans)):
             if spans[i].text in punctuation:  # often emitted late, after a pause: pin to the word
                 spans[i].start = spans[i].end = spans[i - 1].end

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""NeMo peer for the speed/accuracy comparison: NVIDIA NeMo's own `transcribe()` on CPU.
+
+Runs INSIDE the NeMo virtualenv (see bench/README.md), never with the project's venv; it
+imports nothing from this repository.
+
+    /work/venvs/nemo/bin/python bench/nemo_peer.py --model M.nemo --manifest test.jsonl \
+        --batch-size 8 --threads 2 --json out.json
+
+The model is loaded with `ASRModel.restore_from(..., map_location="cpu")`, kept in fp32,
+put in eval mode, and every file of the manifest is transcribed by ONE call of
+`model.transcribe(paths, batch_size=N)` with the decoding configured in the checkpoint
+(greedy / greedy_batch for the Parakeet checkpoints). Timings:
+
+  load_seconds        restore_from (archive extraction, model construction, weights)
+  transcribe_seconds  the transcribe() call (NeMo's own audio loading, features,
+                      encoder, decoding, detokenisation)
+  rtfx_steady         audio_seconds / transcribe_seconds
+  *_cpu_seconds       process CPU time (all threads) of the same spans: with other jobs on
+                      the machine the wall times stretch, the CPU times hardly do
+
+The JSON report: {peer, nemo_version, torch_version, model, manifest, files, audio_seconds,
+load_seconds, transcribe_seconds, load_cpu_seconds, transcribe_cpu_seconds, rtfx_steady,
+batch_size, threads, wer, wer_words, wer_normalisation, texts, ...}.
+
+WER normalisation, applied to reference and hypothesis alike (the same rules as
+`transcribe bench`, so the two WERs are comparable): Unicode NFKC, lower case, every
+character that is not a letter, digit, apostrophe or space becomes a space, apostrophes at
+word edges are dropped, whitespace collapsed. Corpus WER = total word edits / total
+reference words, over files whose normalised reference is not empty. jiwer is used when
+installed in the NeMo venv, else a plain Levenshtein on words (same result).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import unicodedata
+
+WER_NORMALISATION = (
+    "NFKC, lower case, non-[letter/digit/apostrophe/space] -> space, "
+    "word-edge apostrophes dropped, whitespace collapsed"
+)
+_NON_WORD = re.compile(r"[^\w' ]+")
+_EDGE_APOS = re.compile(r"(^|\s)'+|'+(\s|$)")
+
+
+def normalize_text(text: str) -> str:
+    t = unicodedata.normalize("NFKC", text).lower().replace("_", " ")
+    t = _NON_WORD.sub(" ", t)
+    t = _EDGE_APOS.sub(r"\1 \2", t)
+    return " ".join(t.split())
+
+
+def _edit_distance(ref: list, hyp: list) -> int:
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1]
+
+
+def corpus_wer(refs: list, hyps: list):
+    """(WER, reference words) after normalisation; (None, 0) without references."""
+    pairs = [(normalize_text(r), normalize_text(h)) for r, h in zip(refs, hyps) if r is not None]
+    pairs = [(r, h) for r, h in pairs if r]
+    if not pairs:
+        return None, 0
+    n_words = sum(len(r.split()) for r, _ in pairs)
+    try:
+        import jiwer
+
+        return float(jiwer.process_words([r for r, _ in pairs], [h for _, h in pairs]).wer), n_words
+    except ImportError:
+        edits = sum(_edit_distance(r.split(), h.split()) for r, h in pairs)
+        return edits / n_words, n_words
+
+
+def read_manifest(path: str):
+    """[(absolute audio path, duration or None, reference text or None)] in manifest order."""
+    base = os.path.dirname(os.path.abspath(path))
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            d = json.loads(line)
+            p = os.path.expanduser(d["audio_filepath"])
+            if not os.path.isabs(p):
+                p = os.path.join(base, p)
+            rows.append((os.path.normpath(p), d.get("duration"), d.get("text")))
+    return rows
+
+
+def audio_seconds_of(paths: list) -> float:
+    import soundfile as sf
+
+    total = 0.0
+    for p in paths:
+        info = sf.info(p)
+        total += info.frames / info.samplerate
+    return total
+
+
+def hyp_text(h) -> str:
+    """transcribe() returns Hypothesis objects (NeMo >= 2) or plain strings (older)."""
+    if isinstance(h, str):
+        return h
+    t = getattr(h, "text", h)
+    return t if isinstance(t, str) else str(t)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="path to a .nemo archive")
+    ap.add_argument("--manifest", required=True, help="NeMo JSONL manifest (audio_filepath relative to its folder or absolute)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (also OMP/MKL env)")
+    ap.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N files (0: all)")
+    a = ap.parse_args()
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(a.threads)
+    t_start = time.perf_counter()
+
+    import logging
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    import nemo
+    from nemo.collections.asr.models import ASRModel
+    from nemo.utils import logging as nemo_logging
+    from omegaconf import open_dict
+
+    nemo_logging.setLevel(logging.ERROR)
+    t_import = time.perf_counter() - t_start
+
+    rows = read_manifest(a.manifest)
+    if a.limit:
+        rows = rows[: a.limit]
+    paths = [p for p, _, _ in rows]
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        print(f"error: {len(missing)} audio files missing, first: {missing[0]}", file=sys.stderr)
+        return 1
+    audio_s = audio_seconds_of(paths)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    model = ASRModel.restore_from(os.path.abspath(a.model), map_location=torch.device("cpu"))
+    model = model.to(torch.float32).eval()
+    # archives written without a dataset config: transcribe() reads this key
+    with open_dict(model.cfg):
+        if model.cfg.get("validation_ds") is None:
+            model.cfg.validation_ds = {"use_start_end_token": False}
+    load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = model.transcribe(paths, batch_size=a.batch_size, verbose=False)
+    transcribe_s, transcribe_cpu = time.perf_counter() - t0, time.process_time() - c0
+    if isinstance(out, tuple):  # hybrid / older APIs return (best, all)
+        out = out[0]
+    texts = [hyp_text(h) for h in out]
+
+    refs = [r for _, _, r in rows]
+    wer, n_words = corpus_wer(refs, texts) if any(r is not None for r in refs) else (None, 0)
+    report = {
+        "peer": "nemo",
+        "nemo_version": nemo.__version__,
+        "torch_version": torch.__version__,
+        "model": os.path.abspath(a.model),
+        "manifest": os.path.abspath(a.manifest),
+        "files": len(paths),
+        "audio_seconds": round(audio_s, 3),
+        "import_seconds": round(t_import, 3),
+        "load_seconds": round(load_s, 3),
+        "transcribe_seconds": round(transcribe_s, 3),
+        "load_cpu_seconds": round(load_cpu, 2),
+        "transcribe_cpu_seconds": round(transcribe_cpu, 2),
+        "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        "rtfx_steady": round(audio_s / transcribe_s, 3) if transcribe_s > 0 else None,
+        "batch_size": a.batch_size,
+        "threads": torch.get_num_threads(),
+        "device": "cpu",
+        "dtype": "float32",
+        "decoding": str(model.cfg.get("decoding", {}).get("strategy", "")),
+        "wer": wer,
+        "wer_words": n_words,
+        "wer_normalisation": WER_NORMALISATION,
+        "texts": texts,
+    }
+    if a.json_out:
+        d = os.path.dirname(os.path.abspath(a.json_out))
+        os.makedirs(d, exist_ok=True)
+        tmp = a.json_out + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, a.json_out)
+    wer_s = f", WER {100 * wer:.2f}%" if wer is not None else ""
+    print(
+        f"nemo {nemo.__version__}: {len(paths)} files, {audio_s:.1f} s audio; load {load_s:.2f} s, "
+        f"transcribe {transcribe_s:.2f} s, RTFx steady {report['rtfx_steady']}{wer_s}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
