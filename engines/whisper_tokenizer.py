@@ -1,0 +1,184 @@
+"""Whisper's byte-level BPE vocabulary: special token ids, decoding, and the suppress list.
+
+Decoding needs only the vocab of `tokenizer.json` (or CTranslate2's `vocabulary.txt`, one token
+per line in id order): each token is a string of "printable" stand-ins for bytes (GPT-2's
+bytes_to_unicode map), so text = utf-8 decode of the mapped-back bytes. Special tokens
+(<|endoftext|>, <|startoftranscript|>, languages, tasks, <|notimestamps|>) come from the
+added tokens; timestamp tokens <|0.00|> .. <|30.00|> follow <|notimestamps|> in 0.02 s steps,
+whether or not the file lists them. Multilingual (51865/51866 ids) and English-only (51864 ids)
+vocabularies differ only in where these ids sit, which reading them by name takes care of.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+TIME_PRECISION = 0.02  # seconds per timestamp token step
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (256 entries)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(keep, chars)}
+
+
+@dataclass(frozen=True)
+class WhisperTokenizer:
+    """Id <-> token tables plus the special ids decoding needs.
+
+    tokens: token string per id (byte-level alphabet for text tokens, "<|...|>" for specials).
+    """
+
+    tokens: tuple[str, ...]
+    merges: dict[tuple[str, str], int] = field(default_factory=dict, repr=False, compare=False)
+    ids: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Built once: the token -> id table is read on every lookup by name.
+        object.__setattr__(self, "ids", {t: i for i, t in enumerate(self.tokens)})
+        for name in ("<|endoftext|>", "<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>"):
+            if name not in self.ids:
+                raise ValueError(f"tokenizer has no special token {name!r}")
+
+    @property
+    def eot(self) -> int:
+        return self.ids["<|endoftext|>"]
+
+    @property
+    def sot(self) -> int:
+        return self.ids["<|startoftranscript|>"]
+
+    @property
+    def transcribe(self) -> int:
+        return self.ids["<|transcribe|>"]
+
+    @property
+    def translate(self) -> int:
+        return self.ids["<|translate|>"]
+
+    @property
+    def no_timestamps(self) -> int:
+        return self.ids["<|notimestamps|>"]
+
+    @property
+    def timestamp_begin(self) -> int:
+        """Id of <|0.00|>: the token right after <|notimestamps|> in every Whisper vocab."""
+        return self.no_timestamps + 1
+
+    @property
+    def no_speech(self) -> int:
+        """<|nospeech|> in newer vocabs, <|nocaptions|> in the original ones."""
+        ids = self.ids
+        return ids.get("<|nospeech|>", ids.get("<|nocaptions|>", -1))
+
+    @property
+    def languages(self) -> dict[str, int]:
+        """Language code -> token id, for the tokens between sot and <|translate|>."""
+        return {self.tokens[i][2:-2]: i for i in range(self.sot + 1, self.ids.get("<|translate|>", self.sot + 1))}
+
+    @property
+    def is_multilingual(self) -> bool:
+        return len(self.languages) > 0
+
+    def language_token(self, code: str) -> int:
+        langs = self.languages
+        if code not in langs:
+            raise ValueError(f"language={code!r} is not in this vocabulary ({len(langs)} languages)")
+        return langs[code]
+
+    def sot_sequence(self, language: str | None = "en", timestamps: bool = True) -> list[int]:
+        """The decoder prompt: sot [lang transcribe] [notimestamps]."""
+        seq = [self.sot]
+        if self.is_multilingual:
+            seq += [self.language_token(language or "en"), self.transcribe]
+        if not timestamps:
+            seq.append(self.no_timestamps)
+        return seq
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of the text tokens in `ids`; specials and timestamps are dropped."""
+        dec = _byte_decoder()
+        limit = self.eot
+        data = bytearray()
+        for i in ids:
+            if 0 <= i < limit:
+                data.extend(dec[c] for c in self.tokens[i])
+        return data.decode("utf-8", errors="replace")
+
+    def encode_pretoken(self, text: str) -> list[int]:
+        """BPE ids of one GPT-2 pre-token (no regex split). Needs merges (tokenizer.json)."""
+        if not self.merges:
+            raise ValueError("encode needs the BPE merges of tokenizer.json")
+        enc = bytes_to_unicode()
+        word = [enc[b] for b in text.encode("utf-8")]
+        while len(word) > 1:
+            ranked = [(self.merges.get(p, 1 << 30), j) for j, p in enumerate(zip(word, word[1:]))]
+            rank, j = min(ranked)
+            if rank == 1 << 30:
+                break
+            word[j:j + 2] = [word[j] + word[j + 1]]
+        ids = self.ids
+        return [ids[w] for w in word]
+
+    def non_speech_tokens(self) -> list[int]:
+        """OpenAI's `non_speech_tokens`: symbols and speaker tags that should never be spoken."""
+        symbols = list('"#()*+/:;<=>@[\\]^_`{|}~「」『』')
+        symbols += "<< >> <<< >>> -- --- -( -[ (' (\" (( )) ((( ))) [[ ]] {{ }} ♪♪ ♪♪♪".split()
+        misc = set("♩♪♫♬♭♮♯")
+        out = {self.encode_pretoken(" -")[0], self.encode_pretoken(" '")[0]}
+        for s in symbols + sorted(misc):
+            for ids in (self.encode_pretoken(s), self.encode_pretoken(" " + s)):
+                if len(ids) == 1 or s in misc:
+                    out.add(ids[0])
+        return sorted(out)
+
+    def suppress_tokens(self) -> list[int]:
+        """OpenAI's default suppress_tokens="-1": non-speech symbols plus task/control tokens."""
+        ids = self.ids
+        extra = [ids.get(n, -1) for n in ("<|translate|>", "<|transcribe|>", "<|startoftranscript|>",
+                                            "<|startofprev|>", "<|startoflm|>")]
+        return sorted(set(self.non_speech_tokens()) | {i for i in extra + [self.no_speech] if i >= 0})
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def load_tokenizer(path: str | Path, n_vocab: int | None = None) -> WhisperTokenizer:
+    """Read a HF `tokenizer.json` or a CTranslate2 `vocabulary.txt`.
+
+    n_vocab: the model's embedding rows; ids past the file's last token are filled with
+    timestamp names "<|x.xx|>" (tokenizer.json files often omit the 1501 timestamp tokens).
+    """
+    path = Path(path)
+    merges: dict[tuple[str, str], int] = {}
+    if path.suffix == ".json":
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        vocab = dict(spec["model"]["vocab"])
+        vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
+        tokens = [""] * (max(vocab.values()) + 1)
+        for tok, i in vocab.items():
+            tokens[i] = tok
+        for rank, m in enumerate(spec["model"].get("merges", [])):
+            a, b = m.split(" ", 1) if isinstance(m, str) else m
+            merges[(a, b)] = rank
+    else:
+        tokens = path.read_text(encoding="utf-8").split("\n")
+        if tokens and tokens[-1] == "":
+            tokens.pop()
+    ts_begin = tokens.index("<|notimestamps|>") + 1
+    target = max(n_vocab or 0, len(tokens))
+    for i in range(len(tokens), target):
+        tokens.append(f"<|{(i - ts_begin) * TIME_PRECISION:.2f}|>")
+    return WhisperTokenizer(tuple(tokens), merges)

@@ -1,0 +1,163 @@
+"""Whisper front end, tokenizer, decoding rules, and real transcriptions with the bundled base."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engines.whisper_decoding import DecodeOptions, GreedyDecoder, _Rules, compression_ratio, trim_repetition
+from engines.whisper_tokenizer import WhisperTokenizer, load_tokenizer
+from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
+from conftest import SPEECH
+from transcribe.whisper_features import (N_FRAMES, FeatureConfig, _hz_to_mel, _mel_to_hz,
+                                         log_mel_spectrogram, mel_filterbank)
+
+
+def reference_log_mel(audio: np.ndarray, n_mels: int) -> np.ndarray:
+    """Whisper's definition written out in float64 numpy: explicit reflect padding, framing,
+    periodic Hann window and a DFT matrix (no FFT, no torch)."""
+    x = np.zeros(480000)
+    x[:len(audio)] = audio
+    x = np.concatenate([x[200:0:-1], x, x[-2:-202:-1]])  # reflect-pad n_fft // 2 each side
+    n = np.arange(400)
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * n / 400)
+    frames = np.stack([x[i * 160:i * 160 + 400] for i in range(3000)]) * window  # last frame dropped
+    k = np.arange(201)[:, None]
+    dft = np.exp(-2j * np.pi * k * n[None, :] / 400)
+    power = np.abs(frames @ dft.T) ** 2  # [3000, 201]
+    log = np.log10(np.maximum(mel_filterbank(n_mels).astype(np.float64) @ power.T, 1e-10))
+    return (np.maximum(log, log.max() - 8.0) + 4.0) / 4.0
+
+
+@pytest.mark.parametrize("n_mels,seconds", [(80, 1.5), (128, 1.5), (80, 30.0), (80, 29.99)])
+def test_log_mel_matches_direct_dft_reference(n_mels, seconds):
+    rng = np.random.default_rng(0)
+    t = np.arange(int(seconds * 16000)) / 16000
+    audio = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
+    ours = log_mel_spectrogram(torch.from_numpy(audio), FeatureConfig(n_mels)).numpy()
+    assert ours.shape == (n_mels, N_FRAMES)
+    np.testing.assert_allclose(ours, reference_log_mel(audio, n_mels), atol=2e-4)
+    batch = log_mel_spectrogram(torch.from_numpy(np.stack([audio, audio[::-1].copy()])), FeatureConfig(n_mels))
+    np.testing.assert_allclose(batch[0].numpy(), ours, atol=1e-6)
+
+
+def test_slaney_mel_scale_and_filterbank():
+    assert _hz_to_mel(1000.0) == pytest.approx(15.0)
+    assert _hz_to_mel(8000.0) == pytest.approx(45.245640471924965)  # librosa.hz_to_mel(8000)
+    hz = np.array([0.0, 123.0, 999.0, 1000.0, 4321.0, 8000.0])
+    np.testing.assert_allclose(_mel_to_hz(_hz_to_mel(hz)), hz, atol=1e-9)
+    fb = mel_filterbank(80)
+    assert fb.shape == (80, 201) and (fb >= 0).all()
+    # Slaney norm: each triangle has unit area in Hz (bins are 40 Hz apart); the narrow low
+    # filters are undersampled by the 40 Hz grid, so check those filters wider than 4 bins.
+    widths = np.diff(_mel_to_hz(np.linspace(0, _hz_to_mel(8000.0), 82)), 2)
+    area = fb.sum(1) * 40.0
+    np.testing.assert_allclose(area[widths / 2 > 160], 1.0, rtol=0.03)
+    peaks = fb.argmax(1)
+    assert (np.diff(peaks) >= 0).all() and peaks[-1] > 190
+    with pytest.raises(ValueError, match="n_mels"):
+        FeatureConfig(n_mels=64)
+
+
+def _fake_vocab(multilingual: bool) -> WhisperTokenizer:
+    """A tiny vocab laid out like Whisper's: text tokens, then specials, then timestamps."""
+    text = ["a", "b", "Ġ", "Ġhi", "!"]
+    langs = ["<|en|>", "<|de|>"] if multilingual else []
+    special = ["<|endoftext|>", "<|startoftranscript|>", *langs, "<|translate|>", "<|transcribe|>",
+               "<|startoflm|>", "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]
+    return WhisperTokenizer(tuple(text + special + [f"<|{i * 0.02:.2f}|>" for i in range(1501)]))
+
+
+def test_tokenizer_layouts_and_decode():
+    multi, en = _fake_vocab(True), _fake_vocab(False)
+    assert multi.is_multilingual and not en.is_multilingual
+    assert multi.sot_sequence("de") == [multi.sot, multi.sot + 2, multi.transcribe]
+    assert en.sot_sequence(timestamps=False) == [en.sot, en.no_timestamps]
+    assert en.timestamp_begin == en.no_timestamps + 1 and en.no_speech == en.ids["<|nocaptions|>"]
+    assert multi.decode([3, multi.timestamp_begin, 0, multi.eot, 4]) == " hia!"
+    with pytest.raises(ValueError, match="language='xx'"):
+        multi.sot_sequence("xx")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    try:
+        parts, data = bundled_base_dir()
+    except WhisperWeightsError as e:
+        pytest.skip(str(e))
+    return data
+
+
+def test_bundled_tokenizer_matches_ct2_suppress_list(bundled):
+    tok = load_tokenizer(bundled / "tokenizer.json", 51865)
+    cfg = json.loads((bundled / "config.json").read_text())
+    assert tok.suppress_tokens() == cfg["suppress_ids"]
+    assert tok.encode_pretoken(" ") + [tok.eot] == cfg["suppress_ids_begin"]
+    assert tok.tokens[50364] == "<|0.00|>" and tok.tokens[-1] == "<|30.00|>"
+    vocab_txt = load_tokenizer(bundled / "vocabulary.txt")
+    assert vocab_txt.tokens == tok.tokens
+    assert tok.decode(tok.encode_pretoken(" Größe") + tok.encode_pretoken("!")) == " Größe!"
+
+
+def test_timestamp_rules():
+    tok = _fake_vocab(True)
+    ts0, v = tok.timestamp_begin, len(tok.tokens)
+    rules = _Rules(tok, DecodeOptions(), suppress=[4], device="cpu")
+    rules.reset(2, "cpu")
+    first = rules.apply(torch.zeros(2, v), 0)
+    allowed = torch.isfinite(first[0]).nonzero()[:, 0].tolist()
+    assert allowed == list(range(ts0, ts0 + 51))  # only <|0.00|> .. <|1.00|> may start
+    rules.update(torch.tensor([ts0 + 5, ts0 + 5]), 0)
+    logits = torch.zeros(2, v)
+    logits[:, ts0 + 7] = 5.0
+    after_open = rules.apply(logits, 1)
+    assert torch.isinf(after_open[:, ts0:]).all() and torch.isfinite(after_open[:, 3]).all()
+    rules.update(torch.tensor([3, 3]), 1)
+    rules.update(torch.tensor([ts0 + 9, 3]), 2)  # row 0 closes a segment, row 1 continues text
+    logits = torch.zeros(2, v)
+    logits[:, tok.eot] = 10.0  # beats the ~1500 timestamps' total (log 1500 = 7.3) so text stays
+    out = rules.apply(logits, 3)
+    assert torch.isinf(out[0, :tok.eot]).all() and torch.isfinite(out[0, tok.eot])
+    assert torch.isinf(out[0, ts0:ts0 + 9]).all() and torch.isfinite(out[0, ts0 + 9:]).all()
+    assert torch.isinf(out[1, ts0:ts0 + 6]).all() and torch.isinf(out[:, 4]).all()
+    assert torch.isfinite(out[1, :4]).all() and torch.isfinite(out[1, ts0 + 6:]).all()
+    logits = torch.zeros(2, v)  # flat text vs 1500 timestamps: the timestamp mass wins
+    assert torch.isinf(rules.apply(logits, 3)[1, :ts0]).all()
+
+
+def test_repetition_helpers():
+    assert trim_repetition([1, 2, 3, 4, 5, 6]) == [1, 2, 3, 4, 5, 6]
+    assert trim_repetition([9, 1, 2, 1, 2, 1, 2, 1, 2]) == [9, 1, 2]
+    assert compression_ratio("the cat " * 50) > 2.4 > compression_ratio("And so my fellow Americans, ask not.")
+
+
+CLIPS = [("jfk/jfk.flac", "And so my fellow Americans, ask not what your country can do for you, "
+          "ask what you can do for your country."),
+         ("librispeech_test_other/1688/1688-142285-0002.flac", "YOU DON'T MEAN THAT YOU THOUGHT ME SO SILLY"),
+         ("librispeech_test_other/1688/1688-142285-0004.flac",
+          "HIS STATEMENT OF HAVING BEEN A SHOP BOY WAS THE THING I LIKED BEST OF ALL")]
+
+
+@pytest.mark.skipif(not SPEECH.is_dir(), reason=f"shared speech data not found at {SPEECH}")
+def test_bundled_base_transcribes_real_speech(bundled):
+    from engines.whisper_engine import WhisperEngine
+    from transcribe.audio import load_audio
+    from transcribe.bench import wer
+
+    engine = WhisperEngine.from_bundled(batch_size=4)
+    audio = [load_audio(SPEECH / path, 16000) for path, _ in CLIPS]
+    out = engine.transcribe_windows(audio)
+    texts = [t for t, _ in out[:3]]
+    assert wer([ref for _, ref in CLIPS], texts) <= 0.10, texts
+    for (text, segments), wav in zip(out, audio):
+        assert segments and all(0 <= a < b <= len(wav) / 16000 + 1e-6 for a, b, _ in segments)
+        assert [a for a, _, _ in segments] == sorted(a for a, _, _ in segments)
+        assert "<|" not in text and " ".join(s for _, _, s in segments) == text
+    # Digital silence: base says "you" with no_speech_prob 0.93 but avg_logprob -0.82, which
+    # OpenAI's rule keeps (logprob above -1); without the logprob guard it must be dropped.
+    strict = GreedyDecoder(engine.decoder.model, engine.decoder.tok, DecodeOptions(logprob_threshold=None),
+                           engine.decoder.rules.suppress.tolist())
+    silent = strict.decode(log_mel_spectrogram(torch.zeros(1, 16000)))[0]
+    assert silent.no_speech_prob > 0.6 and silent.text == "" and silent.segments == ()
