@@ -7,125 +7,16 @@ features [B, n_mels, T] (10 ms frames) -> ConvSubsampling (T' = T / factor) -> x
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from engines.fast_linear import apply_linear, pack
 from engines.attention import MASK_VALUE, RelPositionalEncoding, RelPositionMultiHeadAttention
-from engines.subsampling import SUPPORTED as SUBSAMPLINGS
-from engines.subsampling import ConvSubsampling, subsampled_lengths
+from engines.encoder_config import EncoderConfig
+from engines.fast_linear import apply_linear, onednn_linear_available, pack
+from engines.subsampling import ConvSubsampling, pack_pointwise, subsampled_lengths
 
-CONV_NORMS = ("batch_norm", "layer_norm")
-ATT_STYLES = ("regular", "chunked_limited")
-
-
-def _unsupported(key: str, value: Any, supported: str) -> ValueError:
-    return ValueError(f"encoder.{key}={value!r} is not supported (supported: {supported})")
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    """The `encoder:` section of a NeMo FastConformer config (inference-relevant keys only;
-    dropout and stochastic-depth keys are accepted and ignored)."""
-
-    feat_in: int
-    n_layers: int
-    d_model: int
-    n_heads: int = 4
-    feat_out: int = -1
-    ff_expansion_factor: int = 4
-    subsampling: str = "striding"
-    subsampling_factor: int = 4
-    subsampling_conv_channels: int = -1
-    causal_downsampling: bool = False
-    self_attention_model: str = "rel_pos"
-    att_context_size: tuple[int, int] = (-1, -1)
-    att_context_style: str = "regular"
-    xscaling: bool = True
-    untie_biases: bool = True
-    pos_emb_max_len: int = 5000
-    conv_kernel_size: int = 31
-    conv_norm_type: str = "batch_norm"
-    conv_context_size: tuple[int, int] | None = None  # (left, right); None = symmetric
-    use_bias: bool = True
-
-    def __post_init__(self) -> None:
-        for key in ("feat_in", "n_layers", "d_model", "n_heads", "ff_expansion_factor", "pos_emb_max_len"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _unsupported(key, value, "a positive integer")
-        if self.d_model % self.n_heads:
-            raise _unsupported("n_heads", self.n_heads, f"a divisor of d_model={self.d_model}")
-        if self.subsampling not in SUBSAMPLINGS:
-            raise _unsupported("subsampling", self.subsampling, ", ".join(SUBSAMPLINGS))
-        if self.subsampling_factor not in (2, 4, 8, 16):
-            raise _unsupported("subsampling_factor", self.subsampling_factor, "2, 4, 8, 16")
-        if self.self_attention_model != "rel_pos":
-            raise _unsupported("self_attention_model", self.self_attention_model, "rel_pos")
-        if self.att_context_style not in ATT_STYLES:
-            raise _unsupported("att_context_style", self.att_context_style, ", ".join(ATT_STYLES))
-        left, right = self.att_context_size
-        if self.att_context_style == "chunked_limited" and (right < 0 or (left > 0 and left % (right + 1))):
-            raise _unsupported("att_context_size", list(self.att_context_size),
-                               "chunked_limited needs right >= 0 and left a multiple of right + 1")
-        if self.conv_norm_type not in CONV_NORMS:
-            raise _unsupported("conv_norm_type", self.conv_norm_type, ", ".join(CONV_NORMS))
-        k = self.conv_kernel_size
-        if not isinstance(k, int) or k < 1 or k % 2 == 0:
-            raise _unsupported("conv_kernel_size", k, "a positive odd integer")
-        if self.conv_context_size is not None and sum(self.conv_context_size) + 1 != k:
-            raise _unsupported("conv_context_size", list(self.conv_context_size),
-                               f"null, 'causal' or [left, right] with left + right + 1 = {k}")
-        if self.feat_out not in (-1, self.d_model):
-            raise _unsupported("feat_out", self.feat_out, f"-1 or d_model={self.d_model}")
-
-    @property
-    def conv_channels(self) -> int:
-        return self.d_model if self.subsampling_conv_channels == -1 else self.subsampling_conv_channels
-
-    @property
-    def conv_padding(self) -> tuple[int, int]:
-        """(left, right) context of the depthwise conv, in frames."""
-        half = (self.conv_kernel_size - 1) // 2
-        return self.conv_context_size if self.conv_context_size is not None else (half, half)
-
-    @classmethod
-    def from_nemo(cls, enc: dict[str, Any]) -> "EncoderConfig":
-        """Build from a NeMo `encoder:` mapping; raises ValueError naming an unsupported key."""
-        target = enc.get("_target_", "")
-        if target and not target.endswith("ConformerEncoder"):
-            raise _unsupported("_target_", target, "nemo.collections.asr.modules.ConformerEncoder")
-        _reject_features(enc)
-        names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in enc.items() if k in names}
-        att = kwargs.get("att_context_size")
-        if att is not None:
-            # A list of [left, right] pairs is multi-lookahead training; inference uses the first.
-            pair = att[0] if att and isinstance(att[0], (list, tuple)) else att
-            if len(pair) != 2:
-                raise _unsupported("att_context_size", att, "[left, right]")
-            kwargs["att_context_size"] = (int(pair[0]), int(pair[1]))
-        ctx = kwargs.get("conv_context_size")
-        if ctx == "causal":
-            kwargs["conv_context_size"] = (enc.get("conv_kernel_size", 31) - 1, 0)
-        elif ctx is not None:
-            if isinstance(ctx, str) or len(ctx) != 2:
-                raise _unsupported("conv_context_size", ctx, "null, 'causal' or [left, right]")
-            kwargs["conv_context_size"] = (int(ctx[0]), int(ctx[1]))
-        return cls(**kwargs)
-
-
-def _reject_features(enc: dict[str, Any]) -> None:
-    """Config keys that change the computation in ways this encoder does not implement."""
-    if enc.get("reduction") and enc.get("reduction_factor", 1) > 1:
-        raise _unsupported("reduction", enc["reduction"], "null (no intermediate reduction)")
-    if enc.get("conv_context_style", "regular") != "regular":
-        raise _unsupported("conv_context_style", enc["conv_context_style"], "regular")
-    if enc.get("att_chunk_context_size") is not None:
-        raise _unsupported("att_chunk_context_size", enc["att_chunk_context_size"], "null")
+__all__ = ["ConformerEncoder", "ConformerLayer", "EncoderConfig"]
 
 
 class ConformerFeedForward(nn.Module):
@@ -250,6 +141,13 @@ class ConformerEncoder(nn.Module):
                 layer.self_attn.pos_bias_v = self.layers[0].self_attn.pos_bias_v
         # sqrt(d_model) input scaling; 1.0 once folded into pre_encode.out (fuse_for_inference).
         self.xscale = math.sqrt(cfg.d_model) if cfg.xscaling else 1.0
+        self.export_mode = False  # set_export_mode(): graph-friendly ops, masks always built
+
+    def set_export_mode(self, on: bool = True) -> None:
+        """For ONNX export / tracing: no data-dependent branches, no as_strided views."""
+        self.export_mode = on
+        for layer in self.layers:
+            layer.self_attn.export_mode = on
 
     @classmethod
     def from_state(cls, cfg: EncoderConfig, state: dict[str, Tensor], *, pack_linears: bool = True) -> "ConformerEncoder":
@@ -259,8 +157,8 @@ class ConformerEncoder(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(state, strict=True, assign=True)
-        ref = next(iter(state.values()))
-        model.pos_enc.materialise(ref.device, ref.dtype if ref.is_floating_point() else torch.float32)
+        ref = state["pre_encode.out.weight"]  # present in every supported layout (strict load)
+        model.pos_enc.materialise(ref.device, ref.dtype)
         model.eval()
         model.requires_grad_(False)
         model.fuse_for_inference(pack_linears=pack_linears)
@@ -293,9 +191,10 @@ class ConformerEncoder(nn.Module):
             attn, conv = layer.self_attn, layer.conv
             for name in ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos"):
                 setattr(attn, name, pack(getattr(attn, name)))
+            attn.onednn = onednn_linear_available() and attn.pos_bias_u.device.type == "cpu"
             conv.pointwise_conv1 = pack(conv.pointwise_conv1)
             conv.pointwise_conv2 = pack(conv.pointwise_conv2)
-        self.pre_encode.out = pack(self.pre_encode.out)
+        pack_pointwise(self.pre_encode)
 
     def output_lengths(self, lengths: Tensor) -> Tensor:
         """Encoder frames for `lengths` feature frames ([B] -> [B] int64)."""
@@ -307,9 +206,10 @@ class ConformerEncoder(nn.Module):
         row's length hold unspecified values."""
         if features.dim() != 3 or features.size(1) != self.cfg.feat_in:
             raise ValueError(f"features must be [B, {self.cfg.feat_in}, T], got {list(features.shape)}")
-        exporting = torch.onnx.is_in_onnx_export()
+        if not self.export_mode:
+            _check_lengths(lengths, features.size(0), features.size(2))
         # Masks cost time: build them only when some row is shorter than the batch.
-        padded = exporting or bool((lengths < features.size(2)).any())
+        padded = self.export_mode or bool((lengths < features.size(2)).any())
         x, lengths = self.pre_encode(features.transpose(1, 2), lengths, masked=padded)
         if self.xscale != 1.0:
             x = x * self.xscale
@@ -336,21 +236,28 @@ class ConformerEncoder(nn.Module):
     def _context_mask(self, idx: Tensor) -> Tensor | None:
         """[T, T] bool: may query i see key j under the limited attention context (None = all)."""
         left, right = self.cfg.att_context_size
-        diff = idx[None, :] - idx[:, None]  # j - i
         if self.cfg.att_context_style == "chunked_limited":
+            # Chunks of right+1 frames; a query sees its own chunk and left/(right+1) before it.
             chunk = right + 1
-            chunks_left = left // chunk if left >= 0 else 10000
             c = torch.div(idx, chunk, rounding_mode="trunc")
-            back = c[:, None] - c[None, :]
-            return (back >= 0) & (back <= chunks_left)
+            back = c[:, None] - c[None, :]  # query chunk - key chunk
+            return (back >= 0) & (back <= (left // chunk if left >= 0 else idx.numel()))
         if left < 0 and right < 0:
             return None
+        diff = idx[None, :] - idx[:, None]  # key - query
         ok = torch.ones_like(diff, dtype=torch.bool)
         if left >= 0:
             ok = ok & (diff >= -left)
         if right >= 0:
             ok = ok & (diff <= right)
         return ok
+
+
+def _check_lengths(lengths: Tensor, batch: int, frames: int) -> None:
+    if lengths.shape != (batch,) or lengths.is_floating_point():
+        raise ValueError(f"lengths must be an integer tensor of shape [{batch}], got {lengths.dtype} {list(lengths.shape)}")
+    if batch and (int(lengths.min()) < 0 or int(lengths.max()) > frames):
+        raise ValueError(f"lengths must lie in [0, {frames}] (the features' frames), got {lengths.tolist()}")
 
 
 def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:

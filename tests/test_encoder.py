@@ -193,6 +193,61 @@ def test_architecture_lengths_fusion_and_batching(arch):
         torch.testing.assert_close(single, unfused, atol=1e-4, rtol=1e-4)
 
 
+def test_unpadded_batch_matches_single_rows():
+    # No row is padded: the encoder takes its mask-free path, which must batch just as well.
+    cfg = EncoderConfig.from_nemo(TINY)
+    enc = ConformerEncoder.from_state(cfg, random_encoder(cfg).state_dict())
+    x = torch.randn(3, 80, 200)
+    with torch.inference_mode():
+        out, lengths = enc(x, torch.tensor([200, 200, 200]))
+        for i in range(3):
+            single, _ = enc(x[i : i + 1], torch.tensor([200]))
+            torch.testing.assert_close(out[i], single[0], atol=1e-4, rtol=0)
+    assert lengths.tolist() == [25, 25, 25]
+
+
+def nemo_context_mask(style: str, left: int, right: int, t: int) -> torch.Tensor:
+    """NeMo's `_create_masks` attention context (True = visible), written the way NeMo does."""
+    att = torch.ones(t, t, dtype=torch.bool)
+    if style == "regular":
+        att = att.triu(diagonal=-left) if left >= 0 else att
+        return att.tril(diagonal=right) if right >= 0 else att
+    chunk = right + 1
+    idx = torch.div(torch.arange(t), chunk, rounding_mode="trunc")
+    diff = idx.unsqueeze(1) - idx.unsqueeze(0)
+    return (diff <= (left // chunk if left >= 0 else 10000)) & (diff >= 0)
+
+
+@pytest.mark.parametrize("style, context", [("regular", [8, 2]), ("regular", [-1, 0]), ("regular", [5, -1]),
+                                            ("chunked_limited", [70, 13]), ("chunked_limited", [-1, 3]),
+                                            ("chunked_limited", [0, 4])])
+def test_context_mask_matches_nemo(style, context):
+    enc = ConformerEncoder(EncoderConfig.from_nemo(dict(TINY, att_context_style=style, att_context_size=context)))
+    got = enc._context_mask(torch.arange(50))
+    assert torch.equal(got, nemo_context_mask(style, *context, 50))
+
+
+def test_bad_lengths_rejected():
+    cfg = EncoderConfig.from_nemo(TINY)
+    enc = ConformerEncoder.from_state(cfg, random_encoder(cfg).state_dict())
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        enc(torch.randn(2, 80, 100), torch.tensor([100, 101]))
+    with pytest.raises(ValueError, match="shape \\[2\\]"):
+        enc(torch.randn(2, 80, 100), torch.tensor([100]))
+
+
+def test_packed_linear_matches_linear():
+    from engines.fast_linear import PackedLinear, onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    lin = torch.nn.Linear(48, 40)
+    x = torch.randn(2, 7, 48)
+    for act, fn in [("none", lambda y: y), ("relu", torch.relu), ("swish", torch.nn.functional.silu)]:
+        got = PackedLinear(lin.weight, lin.bias, act)(x)
+        torch.testing.assert_close(got, fn(lin(x)), atol=1e-5, rtol=1e-5)
+
+
 def test_tied_biases_are_shared():
     cfg = EncoderConfig.from_nemo(dict(TINY, untie_biases=False))
     enc = ConformerEncoder(cfg)
