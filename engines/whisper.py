@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engines.fast_linear import onednn_linear_available
+
 
 @dataclass(frozen=True)
 class WhisperDims:
@@ -54,19 +56,10 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> Ten
     return torch.cat([t.sin(), t.cos()], dim=1)
 
 
-# oneDNN's fp32 GEMM (the op inductor lowers linear layers to) ran 2x faster than the MKL sgemm
-# behind F.linear on the AMD EPYC we target (32 vs 15 GFLOPS per core, [1500x512]x[512x2048]),
-# and also on the small decoder-step shapes. It is a private op, so probe it once and fall back.
-def _probe_onednn() -> bool:
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-        x, w = torch.ones(2, 3, 4), torch.ones(5, 4)
-        return bool(torch.equal(op(x, w, None, "none", [], ""), F.linear(x, w)))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_ONEDNN = _probe_onednn()
+# oneDNN's fp32 GEMM ran 2x faster than the MKL sgemm behind F.linear on the AMD EPYC we
+# target (32 vs 15 GFLOPS per core, [1500x512]x[512x2048]), also on the small decoder-step
+# shapes. Unpacked weights here: the decoder's per-step shapes gain little from packing.
+_ONEDNN = onednn_linear_available()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, gelu: bool = False) -> Tensor:
