@@ -1,8 +1,9 @@
 """The Parakeet engine: a `.nemo` FastConformer model (TDT, RNN-T, hybrid or CTC) end to end.
 
-audio pieces [samples] -> padded batch [B, T] -> LogMel [B, n_mels, F] -> ConformerEncoder
-[B, D, T'] -> greedy decoding (label-looping transducer or CTC) -> tokens + frames ->
-`Result` (text, words, segments). The checkpoint is read once: one state dict feeds every module.
+audio piece [samples] -> `LogMelFrontend` [n_mels, F] (in a preprocessing worker) -> padded
+batch [B, n_mels, F] -> ConformerEncoder [B, D, T'] -> greedy decoding (label-looping
+transducer or CTC) -> tokens + frames -> `Result` (text, words, segments). The checkpoint is
+read once: one state dict feeds every module.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from transcribe.timestamps import FrameTiming, build_result
 # Pieces longer than this are cut at pauses by the pipeline: attention memory grows with the
 # square of the length, and Parakeet models were trained on utterances up to about 30-40 s.
 DEFAULT_MAX_PIECE_SECONDS = 40.0
+# Batch length buckets (s): the encoder's shape profiles. Steps of about 1.25x keep padding
+# within a batch small; the last edge is the longest piece.
+BUCKET_EDGES_S = (2.0, 4.0, 6.0, 8.0, 10.0, 12.5, 15.0, 17.5, 20.0, 25.0, 30.0, 35.0, 40.0)
 CTC_ONLY_TARGETS = ("EncDecCTCModelBPE", "EncDecCTCModel")
 
 
@@ -39,6 +43,38 @@ def pick_device(device: str) -> str:
     return device
 
 
+class LogMelFrontend:
+    """One piece of audio -> its log-mel features, exactly as `LogMel` computes them in a batch.
+
+    Picklable (config and numpy buffers; the torch module is rebuilt on first use), so
+    preprocessing workers run it. Normalisation is per utterance, so a piece's features do not
+    depend on what it is batched with: the engine pads them with `pad_value` to the batch.
+    """
+
+    def __init__(self, cfg: FeatureConfig, window: np.ndarray, fb: np.ndarray, max_piece_seconds: float):
+        self.cfg, self.window, self.fb = cfg, window, fb
+        self.sample_rate = cfg.sample_rate
+        self.n_mels = cfg.features
+        self.max_piece_seconds = max_piece_seconds
+        self.max_frames = self.frames(int(max_piece_seconds * cfg.sample_rate))
+        self._logmel: LogMel | None = None
+
+    def frames(self, n_samples: int) -> int:
+        """Valid feature frames of a piece of `n_samples` samples."""
+        return int(self.cfg.frame_count(torch.tensor([n_samples]))[0])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_logmel": None}
+
+    @torch.inference_mode()
+    def __call__(self, audio: np.ndarray) -> np.ndarray:
+        """float32 [T] at `sample_rate` -> float32 [n_mels, frames(T)] (a view, not a copy)."""
+        if self._logmel is None:
+            self._logmel = LogMel(self.cfg, torch.from_numpy(self.window), torch.from_numpy(self.fb))
+        feats, flen = self._logmel(torch.from_numpy(audio)[None], torch.tensor([audio.shape[0]]))
+        return feats[0, :, : int(flen[0])].numpy()
+
+
 class ParakeetEngine:
     """Transcribes batches of 16 kHz float32 pieces with one loaded `.nemo` model."""
 
@@ -46,7 +82,6 @@ class ParakeetEngine:
                  kind: str, timing: FrameTiming, device: str = "cpu"):
         self.name = name
         self.device = device
-        self.features = features.to(device)
         self.encoder = encoder.to(device)
         self.decoder = decoder.to(device) if hasattr(decoder, "to") else decoder
         self.tokenizer = tokenizer
@@ -54,7 +89,14 @@ class ParakeetEngine:
         self.timing = timing
         self.sample_rate = features.cfg.sample_rate
         self.max_piece_seconds = DEFAULT_MAX_PIECE_SECONDS
+        self.bucket_edges_s = BUCKET_EDGES_S
+        # Features are computed per piece on the host (in the preprocessing workers), not here;
+        # the engine only pads them into batches as LogMel would.
+        self.feature_cfg = features.cfg
+        self.frontend = LogMelFrontend(features.cfg, features.window.numpy(), features.fb.numpy(),
+                                       self.max_piece_seconds)
         self.stage_seconds: dict[str, float] = defaultdict(float)
+        self._host: torch.Tensor | None = None  # pinned batch buffer on CUDA, see reserve()
 
     @classmethod
     def from_nemo(cls, path: str | Path, device: str = "auto", name: str | None = None,
@@ -79,14 +121,30 @@ class ParakeetEngine:
         timing = FrameTiming(fcfg.window_stride, encoder.cfg.subsampling_factor)
         return cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device)
 
-    def _batch(self, pieces: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero-padded [B, T] float32 and lengths [B], built on the host then moved once."""
-        lengths = torch.tensor([len(p) for p in pieces], dtype=torch.int64)
-        audio = torch.zeros(len(pieces), int(lengths.max()), dtype=torch.float32,
-                            pin_memory=self.device.startswith("cuda"))
-        for i, p in enumerate(pieces):
-            audio[i, : len(p)] = torch.from_numpy(p)
-        return audio.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True)
+    def reserve(self, max_items: int) -> None:
+        """Preallocate the pinned host batch [max_items, n_mels, max frames] (CUDA only: on the
+        CPU the batch is built where the encoder reads it)."""
+        if self.device.startswith("cuda"):
+            width = self._width(self.frontend.max_frames)
+            self._host = torch.empty(max_items, self.feature_cfg.features, width, pin_memory=True)
+
+    def _width(self, frames: int) -> int:
+        """Batch time axis for a longest piece of `frames` frames: what `LogMel` gives a batch
+        (one more than the valid frames, rounded up to pad_to), so batched shapes stay equal."""
+        pad_to = self.feature_cfg.pad_to
+        width = frames + 1
+        return -(-width // pad_to) * pad_to if pad_to > 0 else width
+
+    def _batch(self, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n_mels, F_i] pieces -> padded [B, n_mels, W] and frame lengths [B] on the device."""
+        lengths = torch.tensor([f.shape[1] for f in features], dtype=torch.int64)
+        shape = (len(features), self.feature_cfg.features, self._width(int(lengths.max())))
+        fits = self._host is not None and shape[0] <= self._host.shape[0] and shape[2] <= self._host.shape[2]
+        batch = self._host[: shape[0], :, : shape[2]] if fits else torch.empty(shape)
+        batch.fill_(self.feature_cfg.pad_value)
+        for i, f in enumerate(features):
+            batch[i, :, : f.shape[1]] = f
+        return batch.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True)
 
     def _timed(self, stage: str, t0: float) -> float:
         if self.device.startswith("cuda"):
@@ -96,21 +154,23 @@ class ParakeetEngine:
         return t1
 
     @torch.inference_mode()
-    def encode(self, pieces: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pieces -> encoder output [B, D, T'] and valid lengths [B]."""
-        t = time.perf_counter()
-        audio, lengths = self._batch(pieces)
-        feats, flen = self.features(audio, lengths)
-        t = self._timed("features", t)
-        enc, elen = self.encoder(feats, flen)
-        self._timed("encoder", t)
-        return enc, elen
-
-    @torch.inference_mode()
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
         """A batch of float32 mono pieces at `sample_rate` -> one Result per piece."""
-        enc, elen = self.encode(pieces)
         t = time.perf_counter()
+        features = [torch.from_numpy(self.frontend(p)) for p in pieces]
+        self._timed("features", t)
+        return self.transcribe_features(features)
+
+    @torch.inference_mode()
+    def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]:
+        """Per-piece features [n_mels, F_i] float32 (views are fine: they are copied into the
+        batch before this returns) -> one Result per piece."""
+        t = time.perf_counter()
+        feats, flen = self._batch(features)
+        # The sync in _timed also ends the host-to-device copy before the pinned buffer is reused.
+        t = self._timed("batch", t)
+        enc, elen = self.encoder(feats, flen)
+        t = self._timed("encoder", t)
         if self.kind == "ctc" and isinstance(self.decoder, TransducerDecoder):
             hyps = self.decoder.decode_ctc(enc, elen)
         else:

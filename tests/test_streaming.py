@@ -1,0 +1,176 @@
+"""Cache-aware streaming: NeMo's per-chunk transcripts, batching at different positions equal
+to streaming alone, the slot pool and admission control."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from engines.stream_pool import ChunkInput, PoolExhausted
+from engines.streaming_encoder import CacheAwareEncoder, chunk_features, chunk_plan
+from tests.conftest import NEMO_REF, needs_shared
+from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
+from transcribe.streaming.session import IncrementalLogMel, SessionState
+
+pytestmark = needs_shared
+VARIANT = NEMO_REF / "rnnt_streaming_tiny"
+
+
+@pytest.fixture(scope="module")
+def model() -> StreamingModel:
+    return StreamingModel.from_nemo(VARIANT / "model.nemo")
+
+
+@pytest.fixture(scope="module")
+def files() -> list[dict]:
+    meta = json.loads((VARIANT / "reference.json").read_text())
+    out = []
+    for f in meta["files"]:
+        audio, sr = sf.read(str((NEMO_REF / f["audio"]).resolve()), dtype="float32")
+        assert sr == 16000
+        out.append({**f, "samples": audio})
+    return out
+
+
+def _full_features(model: StreamingModel, audio: np.ndarray) -> torch.Tensor:
+    """LogMel over the whole file including its pad frame: what NeMo's streaming buffer holds."""
+    feats, _ = model.logmel(torch.from_numpy(audio)[None], torch.tensor([audio.shape[0]]))
+    return feats[0]
+
+
+def test_partial_texts_match_nemo_exact_features(model, files):
+    """Pool step over NeMo's own chunking of whole-file features: every partial is NeMo's."""
+    pool = model.new_pool(1)
+    tok = model.engine.tokenizer
+    for f in files:
+        feats = _full_features(model, f["samples"])
+        plan = chunk_plan(feats.shape[1], model.encoder.cfg)
+        assert len(plan) == f["stream_steps"]
+        slot, tokens, texts = pool.acquire(), [], []
+        for span in plan:
+            (hyp,) = pool.step([ChunkInput(slot, chunk_features(feats, span, model.encoder.cfg), span.first)])
+            tokens += hyp.tokens
+            texts.append(tok.text(tokens))
+        pool.release(slot)
+        assert texts == f["partial_texts"]
+        assert tokens == f["streaming_tokens"]
+
+
+def _stream_alone(model, audio, piece=1234):
+    """Whole file through a session in `piece`-sample pieces; (partial texts, final tokens, frames)."""
+    sched = Scheduler(model, SchedulerConfig(max_streams=1))
+    s = sched.open("a")
+    for i in range(0, audio.shape[0], piece):
+        s.push_audio(audio[i: i + piece])
+    s.end()
+    texts = []
+    while s.state == SessionState.ACTIVE:
+        texts += [r.text for _, r, _ in sched.run_once()]
+    return texts, s.tokens, s.token_frames
+
+
+def test_session_partials_match_nemo_and_offline(model, files):
+    """Incremental features from arbitrary pieces: NeMo's partials; final = our offline result."""
+    for f in files:
+        texts, tokens, frames = _stream_alone(model, f["samples"])
+        assert texts == f["partial_texts"]
+        offline = model.engine.transcribe([f["samples"]])[0]
+        assert texts[-1] == offline.text == f["offline_text"]
+        assert tokens == offline.tokens
+
+
+def test_batched_at_different_positions_equals_alone(model, files):
+    """Streams start at different steps, send audio at different paces, and some wait for a
+    slot; each step batches whoever has a chunk. Partials, tokens and frames equal alone."""
+    alone = {i: _stream_alone(model, f["samples"]) for i, f in enumerate(files)}
+    sched = Scheduler(model, SchedulerConfig(max_streams=3, max_waiting=8))
+    sessions, cursor, texts = {}, {}, {i: [] for i in range(len(files))}
+    paces = [3000, 5000, 2000, 8000, 4000, 6000]  # samples per tick
+    mixed, widest = False, 0
+    for tick in range(400):
+        if tick < len(files):
+            sessions[tick] = sched.open(f"s{tick}")
+            cursor[tick] = 0
+        for i, s in sessions.items():
+            a = files[i]["samples"]
+            if cursor[i] < a.shape[0]:
+                s.push_audio(a[cursor[i]: cursor[i] + paces[i]])
+                cursor[i] += paces[i]
+                if cursor[i] >= a.shape[0]:
+                    s.end()
+        sessions_stepped, chunks = sched.collect()
+        if chunks:
+            assert len({c.slot for c in chunks}) == len(chunks)
+            mixed |= len({c.first for c in chunks}) == 2  # a first chunk beside later ones
+            widest = max(widest, len(chunks))
+        for s, r, _ in sched.apply(sessions_stepped, sched.pool.step(chunks)) + sched.finish_idle():
+            texts[int(s.stream_id[1:])].append(r.text)
+        if len(sessions) == len(files) and all(s.state == SessionState.DONE for s in sessions.values()):
+            break
+    for i, s in sessions.items():
+        assert s.state == SessionState.DONE
+        assert texts[i] == alone[i][0]
+        assert (s.tokens, s.token_frames) == alone[i][1:]
+    assert sched.pool.free_slots == 3 and not sched.active and not sched.waiting
+    assert mixed and widest == 3
+
+
+def test_pool_slots_exhaust_and_reset(model, files):
+    pool = model.new_pool(2)
+    a, b = pool.acquire(), pool.acquire()
+    with pytest.raises(PoolExhausted):
+        pool.acquire()
+    feats = _full_features(model, files[2]["samples"])
+    span = chunk_plan(feats.shape[1], model.encoder.cfg)[0]
+    pool.step([ChunkInput(a, chunk_features(feats, span, model.encoder.cfg), True)])
+    assert int(pool.att_len[a]) > 0 and int(pool.frames[a]) > 0
+    pool.release(a)
+    pool.release(a)  # idempotent
+    assert pool.free_slots == 1
+    assert int(pool.att_len[a]) == 0 and int(pool.frames[a]) == 0
+    assert not pool.att[:, a].any() and not pool.conv[:, a].any()
+    assert torch.equal(pool.h[:, a], pool.h[:, b]) and torch.equal(pool.pred_out[a], pool.pred_out[b])
+    with pytest.raises(ValueError):
+        pool.release(7)
+
+
+def test_admission_waits_then_refuses_and_pool_is_whole_after(model):
+    sched = Scheduler(model, SchedulerConfig(max_streams=2, max_waiting=1))
+    s1, s2, s3 = sched.open("1"), sched.open("2"), sched.open("3")
+    assert s3.state == SessionState.WAITING
+    with pytest.raises(Busy):
+        sched.open("4")
+    with pytest.raises(ValueError):
+        sched.open("1")
+    sched.close(s1, failed=True)
+    assert sched.take_admitted() == [s3] and s3.state == SessionState.ACTIVE and s1.state == SessionState.FAILED
+    sched.close(s2)
+    sched.close(s3)
+    assert sched.pool.free_slots == 2 and not sched.active and not sched.waiting
+
+
+def test_incremental_logmel_equals_logmel(model, files):
+    audio = files[3]["samples"]
+    full = _full_features(model, audio)
+    inc = IncrementalLogMel(model.logmel)
+    rng = np.random.default_rng(0)
+    parts, i = [], 0
+    while i < audio.shape[0]:
+        n = int(rng.integers(1, 4000))
+        parts.append(inc.push(audio[i: i + n]))
+        i += n
+    parts.append(inc.finish())
+    got = torch.cat(parts, dim=1)
+    assert got.shape == full.shape
+    torch.testing.assert_close(got, full, atol=1e-3, rtol=0)
+
+
+def test_offline_trained_encoder_is_rejected():
+    from engines.parakeet import ParakeetEngine
+
+    engine = ParakeetEngine.from_nemo(NEMO_REF / "rnnt_tiny" / "model.nemo", device="cpu")
+    with pytest.raises(ValueError, match="chunked_limited"):
+        CacheAwareEncoder(engine.encoder)

@@ -1,0 +1,201 @@
+"""Preprocessing workers: streamed decoding, the pool's protocol, crashes, hangs, bounded memory,
+and the Parakeet frontend's per-piece features against batched LogMel."""
+import os
+import pickle
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from conftest import Reference, needs_shared
+from transcribe.audio import load_audio
+from transcribe.decode import AudioStream
+from transcribe.shm import Slab, our_segments
+from transcribe.workers import FileTimeout, WorkerPool
+
+SR = 16000
+CRASH_LEN, HANG_LEN, RAISE_LEN = 12_345, 13_579, 14_321  # audio lengths that trigger a fault
+
+
+class ToyFrontend:
+    """Cheap, checkable features: per 160-sample frame, its mean and its max. Faults on cue."""
+
+    sample_rate = SR
+    n_mels = 2
+    max_piece_seconds = 4.0
+    max_frames = int(4.0 * SR) // 160
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray:
+        n = audio.shape[0]
+        if n == CRASH_LEN:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if n == HANG_LEN:
+            time.sleep(600)
+        if n == RAISE_LEN:
+            raise RuntimeError("boom")
+        frames = audio[: n // 160 * 160].reshape(-1, 160)
+        return np.stack([frames.mean(1), frames.max(1)]).astype(np.float32)
+
+
+def _wav(path: Path, n: int, seed: int = 0) -> Path:
+    sf.write(path, (np.random.default_rng(seed).standard_normal(n) * 0.1).astype(np.float32), SR, subtype="FLOAT")
+    return path
+
+
+def _collect(pool: WorkerPool, n_files: int, slab: Slab, timeout: float = 120.0):
+    """Run until n_files are over; returns ({fid: [(Piece, features copy)]}, {fid: done/error event})."""
+    pieces, ends = {}, {}
+    deadline = time.monotonic() + timeout
+    while len(ends) < n_files:
+        ev = pool.events.get(timeout=max(0.1, deadline - time.monotonic()))
+        if ev[0] == "piece":
+            p = ev[1]
+            pieces.setdefault(p.fid, []).append((p, slab.view(p.slot, (p.n_mels, p.frames)).copy()))
+            pool.release([p.slot])
+        else:
+            assert ev[0] in ("done", "error"), ev
+            ends[ev[1]] = ev
+    return pieces, ends
+
+
+def _children_alive(pids) -> list[int]:
+    return [p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+
+
+def test_stream_decodes_exactly_as_load_audio(tmp_path):
+    rng = np.random.default_rng(1)
+    stereo = (rng.standard_normal((70_001, 2)) * 0.1).astype(np.float32)
+    sf.write(tmp_path / "s.flac", stereo, 44100)
+    sf.write(tmp_path / "m.wav", stereo[:, 0], 22050)
+    for name in ("s.flac", "m.wav"):
+        with AudioStream(tmp_path / name, SR) as s:
+            got = np.concatenate(list(s.blocks()))
+        assert np.array_equal(got, load_audio(tmp_path / name, SR)) and s.samples == got.shape[0]
+
+
+def test_pool_preprocesses_files_and_fails_crashes_hangs_and_errors_alone(tmp_path):
+    good = [_wav(tmp_path / f"g{i}.wav", n, i) for i, n in enumerate((16_000, 100_000, 3_000))]  # 100k: 2 pieces
+    bad = [_wav(tmp_path / "crash.wav", CRASH_LEN), _wav(tmp_path / "hang.wav", HANG_LEN),
+           _wav(tmp_path / "raise.wav", RAISE_LEN), tmp_path / "missing.wav"]
+    fe = ToyFrontend()
+    with Slab.create(4, fe.n_mels * fe.max_frames) as slab, \
+            WorkerPool(fe, slab, 2, FileTimeout(base_s=5.0, per_audio_s=0.0)) as pool:
+        first = [w.process.pid for w in pool._workers]
+        for fid, p in enumerate(good + bad):
+            pool.submit(fid, str(p))
+        pieces, ends = _collect(pool, len(good) + len(bad), slab)
+        later = [w.process.pid for w in pool._workers]
+    for fid, p in enumerate(good):
+        assert ends[fid][0] == "done", ends[fid]
+        audio = load_audio(p, SR, min_samples=1)
+        got = sorted(pieces[fid], key=lambda e: e[0].index)
+        assert ends[fid][2] == len(got) and ends[fid][3] == audio.shape[0]
+        offsets = [round(e[0].offset_s * SR) for e in got] + [audio.shape[0]]
+        for (piece, feats), a, b in zip(got, offsets, offsets[1:]):  # pieces tile the file
+            assert piece.samples == b - a and np.array_equal(feats, fe(audio[a:b]))
+    reasons = {Path(bad[i].name).stem: ends[len(good) + i][2] for i in range(len(bad))}
+    assert all(ends[len(good) + i][0] == "error" for i in range(len(bad)))
+    assert "worker process died (killed by SIGKILL)" in reasons["crash"]
+    assert "timed out" in reasons["hang"] and "RuntimeError: boom" in reasons["raise"]
+    assert "no such file" in reasons["missing"] and all(str(tmp_path) in r for r in reasons.values())
+    assert set(first) - set(later)  # crashed and hung workers were replaced
+    time.sleep(0.2)
+    assert not _children_alive(first + later) and not our_segments()
+
+
+def test_workers_block_when_the_slab_is_full(tmp_path):
+    files = [_wav(tmp_path / f"{i}.wav", 8_000, i) for i in range(5)]
+    fe = ToyFrontend()
+    with Slab.create(2, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 2) as pool:
+        for fid, p in enumerate(files):
+            pool.submit(fid, str(p))
+        held, ends = [], {}
+        while len(held) < 2:
+            ev = pool.events.get(timeout=60)
+            if ev[0] == "piece":
+                held.append(ev[1].slot)
+            else:
+                ends[ev[1]] = ev
+        time.sleep(1.0)  # room for more pieces, if the pool wrongly let them through
+        assert pool.starved  # a worker asked for a slot and waits
+        while not pool.events.empty():
+            ev = pool.events.get()
+            assert ev[0] != "piece"
+            ends[ev[1]] = ev
+        pool.release(held)
+        _, rest = _collect(pool, 5 - len(ends), slab)
+    assert sorted({**ends, **rest}) == list(range(5))
+    assert all(e[0] == "done" for e in {**ends, **rest}.values())
+
+
+@needs_shared
+def test_frontend_pickles_and_matches_batched_logmel_per_piece():
+    """Per-utterance normalisation: a piece's features alone equal its row of a padded batch up
+    to float32 summation order (bit-equal for the batch's longest piece), and the engine's
+    batch rebuilt from per-piece features has the batched shape."""
+    from engines.parakeet import ParakeetEngine
+    from transcribe.features import LogMel
+
+    ref = Reference("tdt_tiny")
+    engine = ParakeetEngine.from_nemo(ref.nemo, "cpu")
+    fe = pickle.loads(pickle.dumps(engine.frontend))
+    pieces = [load_audio(ref.audio_path(i), SR) for i in range(4)]
+    lm = LogMel(fe.cfg, torch.from_numpy(fe.window), torch.from_numpy(fe.fb))
+    lengths = torch.tensor([p.shape[0] for p in pieces])
+    audio = torch.zeros(len(pieces), int(lengths.max()))
+    for i, p in enumerate(pieces):
+        audio[i, : p.shape[0]] = torch.from_numpy(p)
+    batched, flen = lm(audio, lengths)
+    singles = [torch.from_numpy(fe(p)) for p in pieces]
+    for i, f in enumerate(singles):
+        assert f.shape == (fe.n_mels, int(flen[i])) == (fe.n_mels, fe.frames(pieces[i].shape[0]))
+        torch.testing.assert_close(f, batched[i, :, : int(flen[i])], rtol=0, atol=2e-6)
+    longest = int(lengths.argmax())
+    assert torch.equal(singles[longest], batched[longest, :, : int(flen[longest])])
+    rebuilt, rlen = engine._batch(singles)
+    assert rebuilt.shape == batched.shape and torch.equal(rlen, flen)
+    assert torch.equal(rebuilt[:, :, int(flen.max()):], batched[:, :, int(flen.max()):])  # pad_value tail
+
+
+def test_containers_need_the_av_extra(tmp_path, monkeypatch):
+    import sys
+
+    from transcribe.decode import AudioError
+
+    (tmp_path / "a.m4a").write_bytes(b"\0\0\0\x18ftypM4A " + bytes(64))
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
+    with pytest.raises(AudioError, match=r"needs PyAV: pip install 'transcribe\[av\]'"):
+        AudioStream(tmp_path / "a.m4a", SR)
+
+
+def test_pyav_decodes_audio_and_reports_a_missing_stream(tmp_path):
+    av = pytest.importorskip("av")
+    from transcribe.decode import AudioError
+
+    tone = (0.3 * np.sin(np.linspace(0, 2000, 44100 * 2))).astype(np.float32)
+    with av.open(str(tmp_path / "a.m4a"), "w") as c:
+        s = c.add_stream("aac", rate=44100, layout="stereo")
+        for i in range(0, tone.shape[0], 1024):
+            frame = av.AudioFrame.from_ndarray(np.stack([tone[i:i + 1024]] * 2), format="fltp", layout="stereo")
+            frame.sample_rate = 44100
+            for packet in s.encode(frame):
+                c.mux(packet)
+        for packet in s.encode(None):
+            c.mux(packet)
+    with AudioStream(tmp_path / "a.m4a", SR) as stream:
+        audio = np.concatenate(list(stream.blocks()))
+    assert abs(audio.shape[0] - 2 * SR) < 0.1 * SR and 0.15 < np.abs(audio).max() < 0.5
+    with av.open(str(tmp_path / "v.mp4"), "w") as c:
+        s = c.add_stream("mpeg4", rate=10)
+        s.width, s.height, s.pix_fmt = 32, 32, "yuv420p"
+        for _ in range(5):
+            for packet in s.encode(av.VideoFrame.from_ndarray(np.zeros((32, 32, 3), np.uint8), format="rgb24")):
+                c.mux(packet)
+        for packet in s.encode(None):
+            c.mux(packet)
+    with pytest.raises(AudioError, match="no audio stream"):
+        AudioStream(tmp_path / "v.mp4", SR)

@@ -1,0 +1,168 @@
+"""Streamed decoding: an audio file -> blocks of mono float32 samples at the model's rate.
+
+A worker never holds a whole long file: soundfile reads fixed blocks into one reused buffer,
+channels are averaged, and a soxr stream resamples block by block. soxr's stream gives the
+same samples as one-shot `soxr.resample` for any block size, and the final length is fixed to
+ceil(n * target / source) as `transcribe.audio.resample` (librosa, NeMo) does, so short files
+decode exactly as `load_audio` decodes them. Containers libsndfile cannot read (mp4, m4a,
+aac, webm, ...) go through PyAV, the optional `av` extra, imported only when needed.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+# _check_path / _open_error: the same file checks and libsndfile messages as load_audio.
+from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error
+
+AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
+MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
+MAX_CHANNELS = 64
+BLOCK_BYTES = 1 << 21  # ~2 MB of decoded float32 per block, whatever the channel count
+# libsndfile's log for a WAV whose data chunk promises more bytes than the file holds.
+_SHORT_DATA = re.compile(r"^data\s*:\s*(\d+) \(should be (\d+)\)", re.MULTILINE)
+_UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation
+
+
+class AudioStream:
+    """One file's samples as mono float32 blocks at `target_rate`.
+
+    `duration` is the header's estimate (s) before decoding; `samples` counts what `blocks()`
+    has produced. Raises AudioError (naming the file and why) on open or while decoding.
+    """
+
+    def __init__(self, path: str | Path, target_rate: int, min_samples: int = DEFAULT_MIN_SAMPLES):
+        self.path = _check_path(path)
+        self.target_rate = target_rate
+        self.min_samples = min_samples
+        self.samples = 0
+        use_av = self.path.suffix.lower() in AV_EXTENSIONS
+        self._source = _AvSource(self.path) if use_av else _SoundfileSource(self.path)
+        rate, channels = self._source.rate, self._source.channels
+        reason = None
+        if not MIN_RATE <= rate <= MAX_RATE:
+            reason = f"unsupported sample rate {rate} Hz (need {MIN_RATE}-{MAX_RATE})"
+        elif not 1 <= channels <= MAX_CHANNELS:
+            reason = f"unsupported channel count {channels} (need 1-{MAX_CHANNELS})"
+        if reason:
+            self._source.close()  # workers are long-lived: never leak a file handle
+            raise AudioError(self.path, reason)
+        self.duration = self._source.frames / rate if self._source.frames else 0.0
+
+    def __enter__(self) -> "AudioStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._source.close()
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        """Mono float32 blocks at target_rate; the last one is held back to fix the length."""
+        rate = self._source.rate
+        stream = None if rate == self.target_rate else soxr.ResampleStream(
+            rate, self.target_rate, 1, dtype="float32", quality="HQ")
+        n_in, held = 0, None
+        for mono in self._source.mono_blocks():
+            if not np.isfinite(mono).all():
+                raise AudioError(self.path, "audio contains NaN or infinite samples")
+            n_in += mono.shape[0]
+            out = mono if stream is None else stream.resample_chunk(mono, last=False)
+            if out.shape[0]:
+                if held is not None:
+                    self.samples += held.shape[0]
+                    yield held
+                held = out
+        if n_in == 0:
+            raise AudioError(self.path, "no audio samples (0 frames)")
+        tail = [] if held is None else [held]
+        if stream is not None:
+            tail.append(stream.resample_chunk(np.zeros(0, np.float32), last=True))
+        last = np.concatenate(tail) if len(tail) > 1 else tail[0]
+        want = math.ceil(n_in * self.target_rate / rate) - self.samples
+        last = last[:want] if last.shape[0] >= want else np.pad(last, (0, want - last.shape[0]))
+        self.samples += last.shape[0]
+        if self.samples < self.min_samples:
+            raise AudioError(self.path, f"too short: {self.samples} samples at {self.target_rate} Hz, "
+                                        f"need at least {self.min_samples}")
+        yield last
+
+
+class _SoundfileSource:
+    """libsndfile (wav, flac, ogg/opus, mp3, aiff, ...), read in blocks into one buffer."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._f = sf.SoundFile(str(path))
+        except (sf.SoundFileError, OSError) as e:
+            raise _open_error(path, e) from e
+        self.rate, self.channels, self.frames = int(self._f.samplerate), int(self._f.channels), int(self._f.frames)
+        short = _SHORT_DATA.search(self._f.extra_info)
+        if short and int(short.group(1)) not in _UNKNOWN_SIZES and int(short.group(2)) < int(short.group(1)):
+            self.close()
+            raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
+                                   f"the file holds {short.group(2)}")
+
+    def mono_blocks(self) -> Iterator[np.ndarray]:
+        n = max(1024, BLOCK_BYTES // (4 * self.channels))
+        buf = np.empty((n, self.channels), dtype=np.float32)
+        while True:
+            try:
+                got = self._f.read(n, dtype="float32", always_2d=True, out=buf)
+            except (sf.SoundFileError, RuntimeError, OSError) as e:
+                # Corrupt or truncated compressed streams fail here ("flac decoder lost sync").
+                raise _open_error(self.path, e) from e
+            if got.shape[0] == 0:
+                return
+            # A fresh array either way: `buf` is reused for the next block.
+            yield got[:, 0].copy() if self.channels == 1 else got.mean(axis=1, dtype=np.float32)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _import_av():
+    try:
+        import av
+    except ImportError:
+        return None
+    return av
+
+
+class _AvSource:
+    """PyAV (FFmpeg) for containers libsndfile cannot read; samples converted to float32."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.av = _import_av()
+        if self.av is None:
+            raise AudioError(path, f"reading {path.suffix} files needs PyAV: pip install 'transcribe[av]'")
+        try:
+            self._c = self.av.open(str(path))
+        except (self.av.FFmpegError, OSError) as e:
+            raise AudioError(path, f"not a readable audio file ({e})") from e
+        if not self._c.streams.audio:
+            self._c.close()
+            raise AudioError(path, "no audio stream")
+        self._s = self._c.streams.audio[0]
+        self.rate, self.channels = int(self._s.codec_context.sample_rate or 0), int(self._s.codec_context.layout.nb_channels or 0)
+        self.frames = int(self._s.duration * self._s.time_base * self.rate) if self._s.duration else 0
+
+    def mono_blocks(self) -> Iterator[np.ndarray]:
+        # Only the sample format changes here (to float planar); rate stays for soxr.
+        conv = self.av.AudioResampler(format="fltp")
+        try:
+            for frame in self._c.decode(self._s):
+                for f in conv.resample(frame):
+                    planes = f.to_ndarray().astype(np.float32, copy=False)  # [channels, n]
+                    yield planes[0].copy() if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
+        except self.av.FFmpegError as e:
+            raise AudioError(self.path, f"corrupt audio stream ({e})") from e
+
+    def close(self) -> None:
+        self._c.close()

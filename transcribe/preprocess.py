@@ -1,0 +1,133 @@
+"""What runs in a preprocessing worker process: one file at a time -> features in slab slots.
+
+The file is streamed (`transcribe/decode.py`: soundfile blocks or PyAV, downmix, soxr), cut at
+pauses (`segmenting.PieceCutter`), and each piece's features (the engine's `frontend`) are
+written into a slot the main process granted; a `Piece` descriptor goes back over the pipe.
+Protocol on the worker's pipe (main -> worker): ("file", fid, path), ("slot", slot), ("stop",);
+(worker -> main): ("ready",) once, then per file ("start", fid, header seconds), ("slot?",), ("piece", Piece),
+("done", fid, n_pieces, samples, stage seconds), ("error", fid, reason, stage seconds).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from transcribe.decode import AudioError, AudioStream
+from transcribe.segmenting import PieceCutter
+from transcribe.shm import Slab, SlabSpec
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece's features in the slab: float32 [n_mels, frames] at the start of `slot`."""
+
+    fid: int
+    index: int  # position in its file
+    slot: int
+    n_mels: int
+    frames: int
+    offset_s: float  # start in the file (s)
+    samples: int  # audio samples at the model's rate
+
+
+class _Stop(Exception):
+    """The main process asked this worker to stop while it waited for a slot."""
+
+
+def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
+    # ^C reaches the whole process group; the main process stops the workers in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    import torch
+
+    torch.set_num_threads(1)  # one core per worker; the model keeps the main process's threads
+    slab = Slab.attach(spec)
+    frontend = pickle.loads(frontend_bytes)
+    frontend(np.zeros(frontend.sample_rate, np.float32))  # build the module now, not on file one
+    gc.freeze()
+    try:
+        conn.send(("ready",))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                return
+            conn.send(_one_file(conn, slab, frontend, msg[1], msg[2]))
+    except (EOFError, BrokenPipeError, _Stop):
+        pass  # the main process is gone or stopping us
+    finally:
+        slab.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this worker when the main process dies, even by SIGKILL."""
+    import ctypes
+    from multiprocessing import parent_process
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return  # not glibc Linux: the closed pipe still ends the worker at its next message
+    libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    parent = parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(0)  # the parent died before prctl took effect
+
+
+def _one_file(conn, slab: Slab, frontend, fid: int, path: str) -> tuple:
+    """Preprocess one file into slots; returns its closing message ("done" or "error")."""
+    stages: dict[str, float] = defaultdict(float)
+    try:
+        with AudioStream(path, frontend.sample_rate) as stream:
+            conn.send(("start", fid, stream.duration))
+            n = _pieces(conn, slab, frontend, fid, stream, stages)
+        return ("done", fid, n, stream.samples, dict(stages))
+    except AudioError as e:
+        return ("error", fid, str(e), dict(stages))
+    except (EOFError, BrokenPipeError, _Stop):
+        raise
+    except Exception as e:  # noqa: BLE001 -- a decoder or frontend failure on odd input must fail
+        # this file alone, with its reason, and leave the worker serving the next files
+        return ("error", fid, f"{path}: {type(e).__name__}: {e}", dict(stages))
+
+
+def _pieces(conn, slab: Slab, frontend, fid: int, stream: AudioStream, stages: dict) -> int:
+    cutter = PieceCutter(frontend.sample_rate, frontend.max_piece_seconds)
+    blocks = stream.blocks()
+    n = 0
+    while True:
+        t0 = time.perf_counter()
+        block = next(blocks, None)
+        t1 = time.perf_counter()
+        cut = cutter.push(block) if block is not None else cutter.finish()
+        stages["preprocess_decode"] += t1 - t0
+        stages["preprocess_vad_cut"] += time.perf_counter() - t1
+        for offset, audio in cut:
+            _send_piece(conn, slab, frontend, fid, n, offset, audio, stages)
+            n += 1
+        if block is None:
+            return n
+
+
+def _send_piece(conn, slab: Slab, frontend, fid: int, index: int, offset: int, audio: np.ndarray,
+                stages: dict) -> None:
+    t0 = time.perf_counter()
+    feats = frontend(audio)
+    stages["preprocess_features"] += time.perf_counter() - t0
+    if feats.dtype != np.float32 or feats.ndim != 2 or feats.size > slab.spec.slot_floats:
+        raise ValueError(f"frontend gave {feats.dtype} {feats.shape}; a slot holds {slab.spec.slot_floats} float32")
+    conn.send(("slot?",))
+    msg = conn.recv()  # blocks while the slab is full
+    if msg[0] != "slot":
+        raise _Stop()
+    t0 = time.perf_counter()
+    slab.view(msg[1], feats.shape)[...] = feats
+    stages["preprocess_to_slab"] += time.perf_counter() - t0
+    conn.send(("piece", Piece(fid, index, msg[1], feats.shape[0], feats.shape[1],
+                              offset / frontend.sample_rate, audio.shape[0])))

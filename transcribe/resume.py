@@ -1,0 +1,55 @@
+"""Resume state in `--out`: which files are done, and what a killed run left behind.
+
+A file is done when results.jsonl has an ok line for its path with the same size and
+modification time; a rerun skips it and redoes everything else (failed or changed files),
+after dropping their old lines so each file ends with exactly one.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from transcribe.inputs import InputFile
+from transcribe.shm import sweep_stale
+from transcribe.writers import atomic_write_text, read_results
+
+_TEMP_OUTPUT = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")  # writers.atomic_write_text's temp names
+
+
+def file_identity(path: Path) -> dict:
+    """Size and modification time: a rerun redoes a file whose content may have changed."""
+    try:
+        st = path.stat()
+    except OSError:
+        return {"size": None, "mtime": None}
+    return {"size": st.st_size, "mtime": st.st_mtime_ns}
+
+
+def plan_resume(files: list[InputFile], log_path: Path, force: bool) -> tuple[list[InputFile], int]:
+    """Drop files already done (same path, size, mtime, status ok) and rewrite the log without
+    the lines of files about to be redone, so every file ends with exactly one line."""
+    records = read_results(log_path)
+    todo_paths = {str(f.path) for f in files}
+    done = set()
+    if not force:
+        for r in records:
+            p = Path(r["audio_filepath"])
+            if r.get("status") == "ok" and str(p) in todo_paths and file_identity(p) == {
+                "size": r.get("size"), "mtime": r.get("mtime")
+            }:
+                done.add(str(p))
+    keep = [r for r in records if r["audio_filepath"] not in todo_paths or r["audio_filepath"] in done]
+    if len(keep) != len(records):
+        atomic_write_text(log_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep))
+    todo = [f for f in files if str(f.path) not in done]
+    return todo, len(files) - len(todo)
+
+
+def sweep_leftovers(out_dir: Path) -> None:
+    """Remove what a killed run left: temporary outputs in `out_dir`, segments of dead runs."""
+    sweep_stale()
+    if out_dir.is_dir():
+        for p in out_dir.rglob(".*.tmp"):
+            if _TEMP_OUTPUT.match(p.name):
+                p.unlink(missing_ok=True)

@@ -1,0 +1,118 @@
+"""Shared-memory slab: fixed slots of float32 features that workers write and the engine reads.
+
+One POSIX shared-memory segment holds `n_slots` slots of `slot_floats` float32 each. A worker
+writes one piece's features [n_mels, F] at the start of a slot; the engine reads them through a
+numpy view (no copy, no pickling) and frees the slot when the batch is done. Which slot is free
+is decided by the main process alone (see `transcribe/workers.py`), so the slab itself holds no
+locks that a killed worker could leave taken.
+
+Cleanup, so /dev/shm never keeps a segment of ours: the creating process unlinks it on every
+normal or exceptional exit; multiprocessing's resource tracker unlinks it if that process is
+killed; and `sweep_stale()` at the next start removes segments whose creator is gone (the
+tracker too, e.g. a batch scheduler killing the whole process group). Segments are named
+`transcribe-<creator pid>-<random>` for that.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import numpy as np
+
+PREFIX = "transcribe-"
+SHM_DIR = Path("/dev/shm")  # where Linux lists POSIX shared memory; absent elsewhere
+FLOAT32 = 4  # bytes
+
+
+@dataclass(frozen=True)
+class SlabSpec:
+    """What a worker needs to attach: the segment name and the slot geometry."""
+
+    name: str
+    n_slots: int
+    slot_floats: int
+
+
+class Slab:
+    """A shared-memory segment cut into fixed float32 slots; `view(slot, shape)` reads/writes one."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, spec: SlabSpec, owner: bool):
+        self._shm, self.spec, self.owner = shm, spec, owner
+
+    @classmethod
+    def create(cls, n_slots: int, slot_floats: int) -> "Slab":
+        if n_slots < 1 or slot_floats < 1:
+            raise ValueError(f"slab needs at least one slot of one float, got {n_slots} x {slot_floats}")
+        name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=n_slots * slot_floats * FLOAT32)
+        return cls(shm, SlabSpec(name, n_slots, slot_floats), owner=True)
+
+    @classmethod
+    def attach(cls, spec: SlabSpec) -> "Slab":
+        # Spawned workers share the creator's resource tracker, so attaching registers nothing new
+        # and a worker's exit never unlinks the segment under the engine.
+        return cls(shared_memory.SharedMemory(name=spec.name), spec, owner=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.n_slots * self.spec.slot_floats * FLOAT32
+
+    def view(self, slot: int, shape: tuple[int, int]) -> np.ndarray:
+        """float32 [rows, cols] C-contiguous at the start of `slot`; shares the slab's memory."""
+        if not 0 <= slot < self.spec.n_slots or shape[0] * shape[1] > self.spec.slot_floats:
+            raise ValueError(f"slot {slot} shape {shape} does not fit {self.spec}")
+        offset = slot * self.spec.slot_floats * FLOAT32
+        return np.ndarray(shape, dtype=np.float32, buffer=self._shm.buf, offset=offset)
+
+    def close(self) -> None:
+        """Unmap (and, for the creator, unlink) the segment. Safe to call twice."""
+        if self.owner:
+            self.owner = False
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass  # already removed (a sweep, or a second close)
+        try:
+            self._shm.close()
+        except BufferError:
+            pass  # a view is still alive (e.g. in a traceback); the mapping goes with the process
+
+    def __enter__(self) -> "Slab":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def our_segments() -> list[str]:
+    """Names of every segment in /dev/shm made by this program (any process)."""
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(PREFIX))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Remove segments whose creating process no longer exists; returns their names."""
+    removed = []
+    for name in our_segments():
+        pid_s = name[len(PREFIX):].split("-", 1)[0]
+        if pid_s.isdigit() and not _alive(int(pid_s)):
+            try:
+                (SHM_DIR / name).unlink()
+                removed.append(name)
+            except (FileNotFoundError, PermissionError):
+                pass  # gone already, or another user's: not ours to remove
+    return removed

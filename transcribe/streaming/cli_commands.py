@@ -1,0 +1,92 @@
+"""`transcribe stream FILE` and `transcribe serve`, as plain functions for `transcribe/cli.py`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
+from transcribe.streaming.server import ServerConfig, serve_forever
+from transcribe.streaming.session import SessionState
+
+
+def load_streaming_model(model: str) -> StreamingModel:
+    """A registry name or a `.nemo` path -> StreamingModel (ValueError if not cache-aware RNN-T)."""
+    from engines.loader import load_engine
+    from engines.parakeet import ParakeetEngine
+
+    engine = load_engine(model, device="cpu")
+    if not isinstance(engine, ParakeetEngine):
+        raise ValueError(f"model {model!r} is not a cache-aware FastConformer RNN-T checkpoint")
+    return StreamingModel(engine)
+
+
+def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: int = 100,
+                as_json: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """Stream one audio file through the cache-aware engine, printing each partial transcript.
+
+    realtime: feed audio at the pace it was recorded (else as fast as possible). Prints one
+    line per chunk (`partial`/`final` text, or JSON lines with word times when `as_json`) and
+    returns a summary: text, words, audio_seconds, wall_seconds, rtfx, steps, step latency (ms)."""
+    from transcribe.audio import load_audio
+
+    sm = load_streaming_model(model)
+    audio = load_audio(path, sm.sample_rate)
+    sched = Scheduler(sm, SchedulerConfig(max_streams=1))
+    session = sched.open(Path(path).name)
+    piece = max(int(piece_ms * sm.sample_rate / 1000), 1)
+    step_ms: list[float] = []
+    t0 = time.perf_counter()
+    pos = 0
+    result = sm.result(session)
+    while session.state == SessionState.ACTIVE:
+        if pos < audio.shape[0]:
+            if realtime:
+                time.sleep(max(t0 + (pos + piece) / sm.sample_rate - time.perf_counter(), 0.0))
+            session.push_audio(audio[pos: pos + piece])
+            pos += piece
+            if pos >= audio.shape[0]:
+                session.end()
+        elif not session.ended:
+            session.end()
+        ts = time.perf_counter()
+        out = sched.run_once()
+        if out:
+            step_ms.append(1000 * (time.perf_counter() - ts))
+        for _, result, final in out:
+            _print_result(echo, result, final, session.decoded_seconds, as_json)
+    wall = time.perf_counter() - t0
+    seconds = audio.shape[0] / sm.sample_rate
+    return {
+        "text": result.text, "words": [w.__dict__ for w in result.words], "audio_seconds": seconds,
+        "wall_seconds": wall, "rtfx": seconds / wall if wall > 0 else None, "steps": len(step_ms),
+        "step_ms_p50": float(np.percentile(step_ms, 50)) if step_ms else None,
+        "step_ms_max": max(step_ms) if step_ms else None,
+    }
+
+
+def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) -> None:
+    if as_json:
+        words = [{"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for w in result.words]
+        echo(json.dumps({"type": "final" if final else "partial", "audio_seconds": round(decoded_s, 3),
+                         "text": result.text, "words": words}, ensure_ascii=False))
+    else:
+        echo(f"[{decoded_s:7.2f}s {'final' if final else 'partial'}] {result.text}")
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
+          idle_timeout_s: float = 15.0) -> None:
+    """Run the streaming TCP server until interrupted (see transcribe/streaming/protocol.py)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    sm = load_streaming_model(model)
+    cfg = ServerConfig(host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
+                       idle_timeout_s=idle_timeout_s)
+    try:
+        asyncio.run(serve_forever(sm, cfg))
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,138 @@
+"""The streaming wire protocol: JSON messages, one per line over TCP (one per text frame over
+WebSocket, where audio may also travel as binary frames).
+
+Client -> server
+    {"type": "hello", "stream_id": "abc", "sample_rate": 16000, "format": "pcm16"}
+        format: "pcm16" (little-endian int16) or "float32" (little-endian); must come first
+    {"type": "audio", "data": "<base64 of PCM in the hello's format>"}
+    {"type": "end"}                        no more audio: the server sends the final result
+Server -> client
+    {"type": "ready", "stream_id": ...}    a slot is assigned: audio is decoded as it arrives
+    {"type": "waiting", "stream_id": ..., "position": n}   queued for a slot (audio is kept)
+    {"type": "partial"|"final", "stream_id": ..., "text": ..., "words": [{"word", "start",
+        "end"}], "audio_seconds": s}       times in seconds from the stream start;
+        audio_seconds: audio decoded so far
+    {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
+        the connection after an error (the stream is over, its slot returned)
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from transcribe.results import Result
+
+MAX_LINE_BYTES = 4 * 1024 * 1024  # one message; ~65 s of base64 PCM16 at 16 kHz
+FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}
+ERROR_CODES = ("bad_message", "bad_audio", "sample_rate", "busy", "timeout", "stream_id", "internal")
+
+
+class ProtocolError(ValueError):
+    """A client message the server refuses; `code` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Hello:
+    stream_id: str
+    sample_rate: int
+    format: str
+
+
+@dataclass(frozen=True)
+class Audio:
+    samples: np.ndarray  # float32 mono at the hello's rate
+
+
+@dataclass(frozen=True)
+class End:
+    pass
+
+
+def parse_json(line: bytes | str) -> dict[str, Any]:
+    """One message -> its JSON object; ProtocolError(bad_message) for anything else."""
+    try:
+        msg = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError("bad_message", f"message is not JSON: {e}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ProtocolError("bad_message", 'message must be a JSON object with a string "type"')
+    return msg
+
+
+def parse_hello(msg: dict[str, Any], expected_rate: int) -> Hello:
+    if msg["type"] != "hello":
+        raise ProtocolError("bad_message", f'first message must be "hello", got {msg["type"]!r}')
+    sid, rate, fmt = msg.get("stream_id"), msg.get("sample_rate"), msg.get("format", "pcm16")
+    if not isinstance(sid, str) or not 0 < len(sid) <= 128:
+        raise ProtocolError("bad_message", "hello needs a stream_id string of 1-128 characters")
+    if not isinstance(rate, int) or isinstance(rate, bool):
+        raise ProtocolError("bad_message", "hello needs an integer sample_rate")
+    if rate != expected_rate:
+        raise ProtocolError("sample_rate", f"sample_rate {rate} is not supported: send {expected_rate} Hz mono")
+    if fmt not in FORMATS:
+        raise ProtocolError("bad_message", f"format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
+    return Hello(sid, rate, fmt)
+
+
+def decode_pcm(raw: bytes, fmt: str) -> np.ndarray:
+    """Little-endian PCM bytes -> float32 samples (int16 / 32768, as libsndfile reads them)."""
+    dtype = FORMATS[fmt]
+    if len(raw) % dtype.itemsize:
+        raise ProtocolError("bad_audio", f"{fmt} audio must be a multiple of {dtype.itemsize} bytes, got {len(raw)}")
+    x = np.frombuffer(raw, dtype=dtype)
+    if fmt == "pcm16":
+        return x.astype(np.float32) / 32768.0
+    if not np.isfinite(x).all():
+        raise ProtocolError("bad_audio", "float32 audio contains NaN or infinity")
+    return x.astype(np.float32)
+
+
+def parse_stream_message(msg: dict[str, Any], fmt: str) -> Audio | End:
+    """A message after hello -> Audio or End; ProtocolError otherwise."""
+    kind = msg["type"]
+    if kind == "end":
+        return End()
+    if kind != "audio":
+        raise ProtocolError("bad_message", f'expected "audio" or "end", got {kind!r}')
+    data = msg.get("data")
+    if not isinstance(data, str):
+        raise ProtocolError("bad_message", 'audio needs base64 PCM in "data"')
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise ProtocolError("bad_audio", f"audio data is not base64: {e}") from None
+    return Audio(decode_pcm(raw, fmt))
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    return (json.dumps(msg, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
+
+
+def result_message(stream_id: str, result: Result, final: bool, audio_seconds: float) -> dict[str, Any]:
+    return {
+        "type": "final" if final else "partial", "stream_id": stream_id, "text": result.text,
+        "words": [{"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for w in result.words],
+        "audio_seconds": round(audio_seconds, 3),
+    }
+
+
+def error_message(code: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "code": code, "message": message}
+
+
+def audio_message(samples: np.ndarray, fmt: str = "pcm16") -> dict[str, Any]:
+    """Client side: float32 samples -> an audio message."""
+    if fmt == "pcm16":
+        raw = (np.clip(samples, -1.0, 32767 / 32768) * 32768.0).round().astype("<i2").tobytes()
+    else:
+        raw = samples.astype("<f4").tobytes()
+    return {"type": "audio", "data": base64.b64encode(raw).decode()}

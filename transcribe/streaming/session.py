@@ -1,0 +1,174 @@
+"""One stream's host-side state: incremental log-mel features, chunking, and its transcript.
+
+Audio arrives in pieces of any size; `IncrementalLogMel` turns it into exactly the frames that
+`LogMel` computes over the whole recording (center-padded STFT, preemphasis carried across
+pieces), emitting a frame as soon as its 25 ms window is complete. `StreamSession` cuts those
+frames into the encoder's chunks (`engines.streaming_encoder.next_chunk`, NeMo's chunk rules)
+and accumulates the tokens each pool step returns.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engines.stream_pool import ChunkInput
+from engines.streaming_encoder import StreamingConfig, chunk_features, next_chunk
+from transcribe.features import LogMel
+
+
+class IncrementalLogMel:
+    """Push float32 samples, get new feature frames [n_mels, k]; `finish` flushes the rest.
+
+    The concatenation of everything returned equals `LogMel` over the whole stream:
+    samples // hop valid frames, then `pad_value` frames up to LogMel's frame count. Only the
+    last n_fft samples are kept, so memory does not grow with the stream."""
+
+    def __init__(self, logmel: LogMel):
+        cfg = logmel.cfg
+        if cfg.normalize_mode is not None or cfg.exact_pad or cfg.frame_splicing != 1:
+            raise ValueError("streaming features need preprocessor.normalize=NA, exact_pad=false and "
+                             "frame_splicing=1 (a cache-aware checkpoint has no per-utterance normalisation)")
+        self.logmel = logmel
+        self.hop, self.n_fft = cfg.hop_length, cfg.n_fft_resolved
+        self.half = self.n_fft // 2  # center=True: frame t covers samples t*hop - half ... t*hop + half - 1
+        self._y = torch.zeros(0)  # preemphasised samples from absolute index _base on
+        self._base = 0
+        self._prev: float | None = None  # last raw sample (preemphasis crosses piece boundaries)
+        self.samples = 0
+        self.frames = 0  # frames emitted so far
+
+    def push(self, audio: np.ndarray) -> Tensor:
+        """audio float32 [n] -> the frames whose windows are now complete: [n_mels, k]."""
+        x = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
+        if x.numel():
+            y = x.clone()
+            pre = self.logmel.cfg.preemph
+            if pre is not None:
+                y[1:] -= pre * x[:-1]
+                if self._prev is not None:
+                    y[0] -= pre * self._prev
+            self._prev = float(x[-1])
+            self._y = torch.cat((self._y, y))
+            self.samples += x.numel()
+        end = (self.samples - self.half) // self.hop + 1 if self.samples >= self.half else 0
+        return self._frames(min(end, self.samples // self.hop), final=False)
+
+    def finish(self) -> Tensor:
+        """The remaining valid frames (window zero-padded past the end) and LogMel's pad frames."""
+        valid = self._frames(self.samples // self.hop, final=True)
+        total = self.samples // self.hop + 1
+        pad_to = self.logmel.cfg.pad_to
+        if pad_to > 0:
+            total = -(-total // pad_to) * pad_to
+        pad = torch.full((valid.shape[0], total - self.frames), self.logmel.cfg.pad_value)
+        self.frames = total
+        return torch.cat((valid, pad), dim=1)
+
+    def _frames(self, end: int, final: bool) -> Tensor:
+        start = self.frames
+        n_mels = self.logmel.cfg.features
+        if end <= start:
+            return torch.zeros(n_mels, 0)
+        lo, hi = start * self.hop - self.half, (end - 1) * self.hop + self.half
+        seg = self._y[max(lo - self._base, 0): hi - self._base]
+        left = max(self._base - lo, 0)  # stream start: center padding
+        right = hi - lo - left - seg.numel()  # stream end (final only): center padding
+        seg = torch.nn.functional.pad(seg, (left, right))
+        spec = torch.stft(seg[None], n_fft=self.n_fft, hop_length=self.hop, win_length=self.logmel.cfg.win_length,
+                          window=self.logmel.window, center=False, return_complex=True)
+        ri = torch.view_as_real(spec)
+        power = ri[..., 0].square() + ri[..., 1].square()
+        if self.logmel.cfg.mag_power != 2.0:
+            power = power.sqrt().pow(self.logmel.cfg.mag_power)
+        mel = torch.matmul(self.logmel.fb, power)[0]
+        if self.logmel.cfg.log:
+            mel = self.logmel._log(mel)
+        self.frames = end
+        keep = end * self.hop - self.half  # first sample the next frame needs
+        if keep > self._base:
+            self._y = self._y[keep - self._base:]
+            self._base = keep
+        return mel
+
+
+class SessionState(enum.Enum):
+    WAITING = "waiting"  # admitted to the queue, no slot yet
+    ACTIVE = "active"  # holds a pool slot
+    DONE = "done"  # final result produced, slot returned
+    FAILED = "failed"  # error or disconnect, slot returned
+
+
+class StreamSession:
+    """Features, chunk cursor and transcript of one stream (not thread-safe; one event loop)."""
+
+    def __init__(self, stream_id: str, features: IncrementalLogMel, cfg: StreamingConfig):
+        self.stream_id = stream_id
+        self.features = features
+        self.cfg = cfg
+        self.state = SessionState.WAITING
+        self.slot: int | None = None
+        self.ended = False  # client sent end of stream
+        self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on
+        self._feat_base = 0
+        self._next = 0  # first feature frame of the next chunk
+        self.tokens: list[int] = []
+        self.token_frames: list[int] = []
+        self.steps = 0
+        self.last_audio_time = time.monotonic()  # arrival of the newest audio (latency origin)
+        self.audio_seconds = 0.0
+
+    def push_audio(self, audio: np.ndarray) -> None:
+        """float32 mono samples at the model's rate."""
+        self.audio_seconds += audio.shape[0] / self.features.logmel.cfg.sample_rate
+        self.last_audio_time = time.monotonic()
+        self._append(self.features.push(audio))
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._append(self.features.finish())
+
+    def _append(self, frames: Tensor) -> None:
+        if frames.shape[1]:
+            self._feats = torch.cat((self._feats, frames), dim=1)
+
+    def next_chunk(self) -> ChunkInput | None:
+        """The next complete chunk (any remainder once ended), or None; advances the cursor."""
+        if self.slot is None:
+            return None
+        available = self._feat_base + self._feats.shape[1]
+        span = next_chunk(self._next, available, self.ended, self.cfg)
+        if span is None:
+            return None
+        local = type(span)(span.start - self._feat_base, span.end - self._feat_base,
+                           span.cache_start - self._feat_base, span.first)
+        feats = chunk_features(self._feats, local, self.cfg)
+        self._next = span.end
+        # Keep only what the next chunk's pre-encode cache needs.
+        keep_from = max(span.end - self.cfg.pre_encode_cache[1], self._feat_base)
+        self._feats = self._feats[:, keep_from - self._feat_base:]
+        self._feat_base = keep_from
+        return ChunkInput(self.slot, feats.contiguous(), span.first)
+
+    @property
+    def decoded_seconds(self) -> float:
+        """Audio covered by the chunks taken so far (s from the stream start)."""
+        cfg = self.features.logmel.cfg
+        return self._next * cfg.hop_length / cfg.sample_rate
+
+    @property
+    def finished_input(self) -> bool:
+        """Ended and no chunk left to run."""
+        if not self.ended:
+            return False
+        available = self._feat_base + self._feats.shape[1]
+        return next_chunk(self._next, available, True, self.cfg) is None
+
+    def add(self, tokens: list[int], frames: list[int]) -> None:
+        self.tokens.extend(tokens)
+        self.token_frames.extend(frames)
+        self.steps += 1

@@ -1,0 +1,261 @@
+"""Preprocessing workers: processes that turn audio files into features in shared-memory slots.
+
+Each worker (started with 'spawn': torch and fork do not mix) takes one file at a time, streams
+it (`transcribe/decode.py`), cuts it at pauses (`segmenting.PieceCutter`), computes each piece's
+features with the engine's picklable `frontend`, asks for a free slot, writes the features
+there and sends a small `Piece` descriptor. Every message goes over the worker's own pipe and
+only the main process hands out slots, so a worker killed at any moment leaves no lock taken
+and the main process knows which slots it held.
+
+The main-process side, `WorkerPool`, runs on its own thread so that workers get files and
+slots while the model computes (torch releases the GIL). It grants slots (a worker asking
+while the slab is full waits: bounded memory) and turns worker deaths and hangs (a deadline
+per file, scaled by its duration, paused while the worker waits for a slot) into a failed file
+and a fresh worker. The pipeline reads `events` and gives slots back with `release`.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from multiprocessing.connection import wait
+
+from transcribe.preprocess import Piece, worker_main
+from transcribe.shm import Slab, SlabSpec
+
+__all__ = ["FileTimeout", "Piece", "WorkerPool", "WorkerStartError", "default_workers"]
+
+MAX_WAIT_S = 0.5  # the pool thread wakes at least this often to check deadlines
+STARTUP_S = 300.0  # a worker not ready by then (spawn, imports, frontend warm-up) is stuck
+MAX_START_FAILURES = 3  # workers dying before ready this many times in a row: give up
+
+
+class WorkerStartError(RuntimeError):
+    """Workers keep dying before they are ready (e.g. a broken install): nothing can run."""
+
+
+@dataclass(frozen=True)
+class FileTimeout:
+    """A file fails as hung after base_s + per_audio_s * its duration of preprocessing."""
+
+    base_s: float = 60.0  # covers a worker's start (imports) and opening the file
+    per_audio_s: float = 0.1  # 10x slower than real time: far below any healthy worker
+
+    def limit(self, duration_s: float) -> float:
+        return self.base_s + self.per_audio_s * max(duration_s, 0.0)
+
+
+def default_workers() -> int:
+    """Workers when --workers is not given: on 2 cores 1 (the model needs the other), else half."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if cpus <= 2 else min(8, cpus // 2)
+
+
+@dataclass
+class _Worker:
+    process: object
+    conn: object
+    started: float
+    ready: bool = False  # imports done, frontend warm: its file deadlines start counting
+    fid: int | None = None  # the file it is on
+    path: str = ""
+    deadline: float = 0.0
+    limit: float = 0.0
+    waiting_since: float | None = None  # asked for a slot, none free yet
+    granted: set[int] = field(default_factory=set)  # slots given, not yet sent back in a Piece
+
+
+class WorkerPool:
+    """Files in (`submit`), events out (`events`): ("piece", Piece), ("done", fid, n_pieces,
+    samples), ("error", fid, why); a bug in the pool thread arrives as ("fatal", exception)."""
+
+    def __init__(self, frontend, slab: Slab, n_workers: int, timeout: FileTimeout = FileTimeout()):
+        if n_workers < 1:
+            raise ValueError(f"need at least one worker, got {n_workers}")
+        self._ctx = get_context("spawn")
+        self._frontend = pickle.dumps(frontend)  # plain pickle: no torch shared-memory tensors
+        self._spec: SlabSpec = slab.spec
+        self.timeout = timeout
+        self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.stage_seconds: dict[str, float] = defaultdict(float)
+        self._free: deque[int] = deque(range(slab.spec.n_slots))
+        self._released: deque[int] = deque()  # from the pipeline's thread
+        self._queue: deque[tuple[int, str]] = deque()
+        self._waiting: deque[_Worker] = deque()
+        self._start_failures = 0
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._workers = [self._start() for _ in range(n_workers)]
+        self._thread = threading.Thread(target=self._serve, name="transcribe-pool", daemon=True)
+        self._thread.start()
+
+    def _start(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        p = self._ctx.Process(target=worker_main, args=(child, self._spec, self._frontend), daemon=True,
+                              name="transcribe-preprocess")
+        p.start()
+        child.close()  # so the worker's death reads as EOF here
+        return _Worker(p, parent, time.monotonic())
+
+    # -- called from the pipeline's thread ----------------------------------------------------
+    def submit(self, fid: int, path: str) -> None:
+        self._queue.append((fid, path))
+        self._wake()
+
+    def release(self, slots: list[int]) -> None:
+        self._released.extend(slots)
+        self._wake()
+
+    @property
+    def starved(self) -> bool:
+        """A worker waits for a slot: the pipeline should run a batch to free some."""
+        return bool(self._waiting)
+
+    def close(self, grace_s: float = 2.0) -> None:
+        """Stop the thread and every worker (ask, wait up to `grace_s`, then kill)."""
+        self._stop.set()
+        self._wake()
+        self._thread.join()
+        for w in self._workers:
+            try:
+                w.conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass  # already gone
+        deadline = time.monotonic() + grace_s
+        for w in self._workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
+        self._workers = []
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._wake_w = -1  # a late release() must not write into a reused descriptor
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        self.close(2.0 if exc_type is None else 0.0)  # interrupted or failing: no waiting
+
+    def _wake(self) -> None:
+        if self._wake_w < 0:
+            return
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    @staticmethod
+    def _send(w: _Worker, msg: tuple) -> None:
+        try:
+            w.conn.send(msg)
+        except (BrokenPipeError, OSError):
+            pass  # it just died: its sentinel fires next and _replace fails its file
+
+    # -- the pool thread ----------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+        except Exception as e:  # noqa: BLE001 -- a bug here must stop the job, not hang it
+            self.events.put(("fatal", e))
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        while self._released:
+            self._free.append(self._released.popleft())
+        while self._waiting and self._free:
+            self._grant(self._waiting.popleft(), now)
+        for w in self._workers:
+            if w.ready and w.fid is None and self._queue:
+                w.fid, w.path = self._queue.popleft()
+                w.limit = self.timeout.limit(0.0)
+                w.deadline = now + w.limit
+                self._send(w, ("file", w.fid, w.path))
+        ready = wait([w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
+                     + [self._wake_r], MAX_WAIT_S)
+        if self._wake_r in ready:
+            os.read(self._wake_r, 4096)
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.conn in ready or w.process.sentinel in ready:
+                self._drain(w, now)
+        for w in list(self._workers):
+            if w.fid is not None and w.waiting_since is None and now > w.deadline:
+                w.process.kill()
+                self._replace(w, f"timed out after {w.limit:.0f} s (preprocessing hung)")
+            elif not w.ready and now - w.started > STARTUP_S:
+                w.process.kill()
+                self._replace(w, f"not ready after {STARTUP_S:.0f} s")
+
+    def _grant(self, w: _Worker, now: float) -> None:
+        slot = self._free.popleft()
+        w.granted.add(slot)
+        if w.waiting_since is not None:
+            w.deadline += now - w.waiting_since  # waiting for the engine is not hanging
+            w.waiting_since = None
+        self._send(w, ("slot", slot))
+
+    def _drain(self, w: _Worker, now: float) -> None:
+        try:
+            while w.conn.poll():
+                self._handle(w, w.conn.recv(), now)
+        except (EOFError, OSError):
+            pass  # the worker is gone; its exit code says how below
+        if not w.process.is_alive():
+            w.process.join()
+            self._replace(w, f"worker process died ({_exit_reason(w.process.exitcode)})")
+
+    def _handle(self, w: _Worker, msg: tuple, now: float) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            w.ready, self._start_failures = True, 0
+        elif kind == "slot?":
+            if self._free:
+                self._grant(w, now)
+            else:
+                w.waiting_since = now
+                self._waiting.append(w)
+        elif kind == "start":
+            w.limit = self.timeout.limit(msg[2])
+            w.deadline = now + w.limit
+        elif kind == "piece":
+            w.granted.discard(msg[1].slot)
+            self.events.put(msg)
+        else:  # "done" or "error": the file is over, the worker is free
+            for k, v in msg[-1].items():
+                self.stage_seconds[k] += v
+            self.events.put(msg[:-1])
+            self._free.extend(w.granted)  # granted but unused: the file failed after asking
+            w.granted.clear()
+            w.fid, w.path = None, ""
+
+    def _replace(self, w: _Worker, why: str) -> None:
+        """A dead or killed worker: fail its file, take back its slots, start another."""
+        w.process.join()
+        if not w.ready:
+            self._start_failures += 1
+            if self._start_failures >= MAX_START_FAILURES:
+                raise WorkerStartError(f"preprocessing workers cannot start: {why}")
+        if w.fid is not None:
+            self.events.put(("error", w.fid, f"{w.path}: {why}"))
+        self._free.extend(w.granted)
+        if w in self._waiting:
+            self._waiting.remove(w)
+        w.conn.close()
+        self._workers[self._workers.index(w)] = self._start()
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}"
