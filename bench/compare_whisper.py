@@ -1,10 +1,9 @@
 """Whisper head to head: faster-whisper (peer) vs our engine, same files, one invocation.
 
-    python bench/compare_whisper.py [--manifest M] [--limit N] [--batch-size B]
-    python bench/compare_whisper.py --run-ours M OUT.json   # our side alone (used internally)
+    python bench/compare_whisper.py [--manifest M] [--limit N] [--json SUMMARY.json]
 
-Each side runs as a whole command in its own process (the peer in /work/venvs/fw), one after
-the other, and writes {audio_seconds, load_seconds, transcribe_seconds, texts}. We print, per
+Each side runs as a whole command in its own process, one after the other: the peer in
+/work/venvs/fw (bench/whisper_peer.py), ours as `transcribe bench --model whisper-base`. We print, per
 side, RTFx = audio seconds / transcribe seconds (audio decode included, model load excluded),
 end-to-end RTFx including load and interpreter start, the ratio ours / peer, and WER against the
 manifest text (lower case, punctuation removed, numbers left as they are: `transcribe.bench`).
@@ -24,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MANIFEST = Path("/work/shared/data/speech/librispeech_test_other/manifest.jsonl")
 PEER_PYTHON = Path("/work/venvs/fw/bin/python")
 PEER_MODEL = Path("/work/models/whisper-base-ct2")
-WINDOW = 30 * 16000  # samples; longer files are cut at fixed 30 s until the VAD pipeline lands
 
 
 def read_manifest(path: Path, limit: int | None) -> list[dict]:
@@ -32,29 +30,28 @@ def read_manifest(path: Path, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
-def run_ours(manifest: Path, out: Path, limit: int | None, batch_size: int) -> None:
-    """In-process driver: load the bundled base model, decode every file, batch all windows."""
-    sys.path.insert(0, str(ROOT))
-    t0 = time.perf_counter()
-    from engines.whisper_engine import WhisperEngine
-    from transcribe.audio import load_audio
-
-    engine = WhisperEngine.from_bundled(batch_size=batch_size)
-    t1 = time.perf_counter()
+def limited_manifest(manifest: Path, limit: int | None, folder: Path) -> Path:
+    """The manifest's first `limit` rows with absolute audio paths (the manifest itself if all)."""
+    if not limit:
+        return manifest
+    out = folder / "manifest.jsonl"
     rows = read_manifest(manifest, limit)
-    windows, owner, audio_seconds = [], [], 0.0
-    for i, r in enumerate(rows):
-        audio = load_audio(manifest.parent / r["audio_filepath"], 16000)
-        audio_seconds += len(audio) / 16000
-        for s in range(0, len(audio), WINDOW):
-            windows.append(audio[s:s + WINDOW])
-            owner.append(i)
-    texts = [""] * len(rows)
-    for i, (text, _segments) in zip(owner, engine.transcribe_windows(windows)):
-        texts[i] = (texts[i] + " " + text).strip()
-    t2 = time.perf_counter()
-    out.write_text(json.dumps({"audio_seconds": audio_seconds, "load_seconds": t1 - t0,
-                               "transcribe_seconds": t2 - t1, "texts": texts}, indent=1))
+    for r in rows:
+        r["audio_filepath"] = str((manifest.parent / r["audio_filepath"]).resolve())
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def ours_result(report: Path, out_dir: Path, manifest: Path) -> dict:
+    """Our `transcribe bench` report + transcripts, in the peer's JSON shape (manifest order)."""
+    rep = json.loads(report.read_text())
+    by_path = {}
+    for line in (out_dir / "results.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_path[row["audio_filepath"]] = row["text"]
+    texts = [by_path.get(str((manifest.parent / r["audio_filepath"]).resolve()), "") for r in read_manifest(manifest, None)]
+    return {"audio_seconds": rep["audio_seconds"], "load_seconds": rep["stages"]["load_model"],
+            "transcribe_seconds": rep["transcribe_seconds"], "texts": texts}
 
 
 def _timed(cmd: list[str]) -> float:
@@ -80,14 +77,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--skip-peer", action="store_true", help="run only our engine")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
-    ap.add_argument("--run-ours", nargs=2, type=Path, metavar=("MANIFEST", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.run_ours:
-        run_ours(args.run_ours[0], args.run_ours[1], args.limit, args.batch_size)
-        return
     refs = [r["text"] for r in read_manifest(args.manifest, args.limit)]
     lim = ["--limit", str(args.limit)] if args.limit else []
     summary = {}
@@ -97,10 +89,13 @@ def main() -> None:
             wall = _timed([str(PEER_PYTHON), "bench/whisper_peer.py", str(args.manifest), str(PEER_MODEL),
                            str(peer_out), *lim])
             summary["peer"] = _report("peer", json.loads(peer_out.read_text()), wall, refs)
-        ours_out = Path(tmp) / "ours.json"
-        wall = _timed([sys.executable, "bench/compare_whisper.py", "--run-ours", str(args.manifest),
-                       str(ours_out), "--batch-size", str(args.batch_size), *lim])
-        summary["ours"] = _report("ours", json.loads(ours_out.read_text()), wall, refs)
+        # Ours: the real CLI, end to end (workers, VAD cutting, batching, writers).
+        manifest = limited_manifest(args.manifest, args.limit, Path(tmp))
+        report, out_dir = Path(tmp) / "ours.json", Path(tmp) / "ours_out"
+        transcribe = Path(sys.executable).with_name("transcribe")
+        wall = _timed([str(transcribe), "bench", str(manifest), "--model", "whisper-base", "--device", "cpu",
+                       "--json", str(report), "--out", str(out_dir)])
+        summary["ours"] = _report("ours", ours_result(report, out_dir, manifest), wall, refs)
     if "peer" in summary:
         ratio = summary["ours"]["rtfx"] / summary["peer"]["rtfx"]
         e2e = summary["ours"]["rtfx_e2e"] / summary["peer"]["rtfx_e2e"]

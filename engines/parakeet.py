@@ -109,7 +109,9 @@ class ParakeetEngine:
             fcfg = FeatureConfig.from_nemo(cfg["preprocessor"])
             bufs = sub_state_dict(state, "preprocessor.featurizer")
             features = LogMel(fcfg, window=bufs.get("window"), fb=bufs.get("fb"))
-            encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), sub_state_dict(state, "encoder"))
+            # oneDNN-packed weights are CPU-only opaque tensors that `.to()` cannot move.
+            encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), sub_state_dict(state, "encoder"),
+                                                  pack_linears=device == "cpu")
             target = str(cfg.get("target", ""))
             if target.endswith(CTC_ONLY_TARGETS) or decoding == "ctc" and "aux_ctc" not in cfg:
                 decoder, kind = CTCDecoder.from_archive(archive, state), "ctc"
