@@ -33,6 +33,7 @@ class RegistryEntry:
     repo_id: str
     filename: str
     family: str  # "parakeet" (a .nemo transducer / CTC model) or "whisper"
+    extra_files: tuple[str, ...] = ()  # fetched into the same snapshot folder as `filename`
 
 
 # Parakeet / FastConformer checkpoints published by NVIDIA as single `.nemo` files.
@@ -48,6 +49,11 @@ REGISTRY: dict[str, RegistryEntry] = {
         RegistryEntry("parakeet-tdt_ctc-1.1b", "nvidia/parakeet-tdt_ctc-1.1b", "parakeet-tdt_ctc-1.1b.nemo", "parakeet"),
         RegistryEntry("parakeet-ctc-0.6b", "nvidia/parakeet-ctc-0.6b", "parakeet-ctc-0.6b.nemo", "parakeet"),
         RegistryEntry("parakeet-ctc-1.1b", "nvidia/parakeet-ctc-1.1b", "parakeet-ctc-1.1b.nemo", "parakeet"),
+        # OpenAI Whisper in Hugging Face's safetensors layout (weights + head counts + vocab).
+        *[RegistryEntry(f"whisper-{size}", f"openai/whisper-{size}", "model.safetensors", "whisper",
+                        ("config.json", "tokenizer.json"))
+          for size in ("large-v3", "large-v3-turbo", "large-v2", "medium", "medium.en", "small",
+                       "small.en", "base.en", "tiny", "tiny.en")],
     ]
 }
 
@@ -145,16 +151,17 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
 
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    files = (entry.filename, *entry.extra_files)
     try:
         # Cache first: a filled cache must never wait on the network.
-        return Path(hf_hub_download(entry.repo_id, entry.filename, local_files_only=True))
+        return [Path(hf_hub_download(entry.repo_id, f, local_files_only=True)) for f in files][0]
     except LocalEntryNotFoundError:
         if offline:
             raise CheckpointError(
                 f"{entry.name}: not in the Hugging Face cache and offline mode is on "
-                f"(download {entry.repo_id}/{entry.filename} on a connected machine, or pass a .nemo path)"
+                f"(download {entry.repo_id} ({', '.join(files)}) on a connected machine, or pass a local path)"
             ) from None
     try:
-        return Path(hf_hub_download(entry.repo_id, entry.filename, etag_timeout=timeout_s))
+        return [Path(hf_hub_download(entry.repo_id, f, etag_timeout=timeout_s)) for f in files][0]
     except Exception as e:  # network errors come in many types (requests, httpx, OSError)
-        raise CheckpointError(f"{entry.name}: download of {entry.repo_id}/{entry.filename} failed: {e}") from e
+        raise CheckpointError(f"{entry.name}: download of {entry.repo_id} failed: {e}") from e

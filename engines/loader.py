@@ -11,12 +11,24 @@ import socket
 import sys
 from urllib.parse import urlparse
 
-from engines.checkpoint import CheckpointError, resolve_checkpoint
+from pathlib import Path
+
+from engines.checkpoint import REGISTRY, CheckpointError, RegistryEntry, resolve_checkpoint
 
 DEFAULT_PARAKEET = "parakeet-tdt-0.6b-v2"
 BUNDLED = "whisper-base"
 WHISPER_NAMES = ("whisper-base",)
 PROBE_TIMEOUT_S = 2.0
+_NONE = RegistryEntry("", "", "", "")
+WHISPER_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
+
+
+def is_whisper_path(model: str) -> bool:
+    """A local Whisper checkpoint: OpenAI .pt, safetensors, CT2 model.bin, or a folder of those."""
+    p = Path(model)
+    if p.is_dir():
+        return (p / "model.bin").is_file() or (p / "model.safetensors").is_file()
+    return p.suffix in WHISPER_SUFFIXES and p.is_file()
 
 
 def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -57,10 +69,13 @@ def choose_model(model: str | None) -> str:
 def load_engine(model: str | None, device: str = "auto"):
     """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`."""
     name = choose_model(model)
-    if name in WHISPER_NAMES or name.startswith("whisper"):
+    if name in WHISPER_NAMES or is_whisper_path(name) or REGISTRY.get(name, _NONE).family == "whisper":
         from engines.whisper_engine import WhisperEngine
 
-        return WhisperEngine.load(name, device)
+        if name in WHISPER_NAMES:
+            return WhisperEngine.load(name, device)
+        path = resolve_checkpoint(name, offline=None if hub_reachable() else True) if name in REGISTRY else Path(name)
+        return WhisperEngine.load_path(path, device, name=name)
     from engines.parakeet import ParakeetEngine
 
     path = resolve_checkpoint(name, offline=None if hub_reachable() else True)

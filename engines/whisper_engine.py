@@ -95,6 +95,17 @@ class WhisperEngine:
         engine.name = name
         return engine
 
+    @classmethod
+    def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None) -> "WhisperEngine":
+        """A local checkpoint (CT2 folder or model.bin, OpenAI .pt, HF safetensors file or folder)."""
+        from engines.parakeet import pick_device
+
+        device = pick_device(device)
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+        engine = cls.from_checkpoint(path, device=device, dtype=dtype)
+        engine.name = name or str(path)
+        return engine
+
     def reserve(self, max_items: int) -> None:
         """Nothing to preallocate ahead: the KV cache is sized per batch by the decoder."""
 

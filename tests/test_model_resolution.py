@@ -16,14 +16,17 @@ from engines.loader import BUNDLED, DEFAULT_PARAKEET, choose_model
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
-def fill_cache(cache: Path, repo_id: str, filename: str, source: Path) -> Path:
-    """The layout huggingface_hub writes: refs/main -> snapshot folder holding the file."""
+def fill_cache(cache: Path, repo_id: str, filename: str, source: Path, **extra: Path) -> Path:
+    """The layout huggingface_hub writes: refs/main -> snapshot folder holding the files
+    (`extra`: more files of the repo, keyword = file name with '_' for '.')."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(REVISION)
     snap = repo / "snapshots" / REVISION
     snap.mkdir(parents=True)
     shutil.copy(source, snap / filename)
+    for key, path in extra.items():
+        shutil.copy(path, snap / key.replace("_", "."))
     return snap / filename
 
 
@@ -90,3 +93,29 @@ def test_default_falls_back_to_bundled_whisper_and_transcribes_real_speech(tmp_p
     assert "ask not what your country can do for you" in row["text"].lower()
     doc = json.loads((tmp_path / "o" / "jfk.json").read_text())
     assert doc["segments"] and 9.0 < doc["segments"][-1]["end"] <= 11.0
+
+
+def test_whisper_registry_name_loads_hf_safetensors_from_the_cache(hf_cache, tmp_path):
+    """`--model whisper-large-v3` resolves through the same checkpoint module: a (tiny, random)
+    model in Hugging Face's layout, pre-filled in the cache, loads offline and transcribes."""
+    import numpy as np
+
+    from engines.loader import load_engine
+    from engines.whisper import WhisperDims
+    from engines.whisper_weights import bundled_base_dir
+    from test_whisper_weights import hf_state, openai_state, write_safetensors
+
+    dims = WhisperDims(n_mels=128, n_audio_state=64, n_audio_head=2, n_audio_layer=1,
+                       n_text_state=64, n_text_head=2, n_text_layer=1)  # large-v3's 128 mels
+    src = tmp_path / "src"
+    src.mkdir()
+    write_safetensors(src / "model.safetensors", hf_state(openai_state(dims)))
+    (src / "config.json").write_text(json.dumps({"encoder_attention_heads": 2, "decoder_attention_heads": 2}))
+    fill_cache(hf_cache, "openai/whisper-large-v3", "model.safetensors", src / "model.safetensors",
+               config_json=src / "config.json", tokenizer_json=bundled_base_dir()[1] / "tokenizer.json")
+
+    engine = load_engine("whisper-large-v3", "cpu")
+    assert engine.name == "whisper-large-v3" and engine.decoder.model.dims == dims
+    assert engine.frontend.n_mels == 128
+    (r,) = engine.transcribe([np.zeros(16000, dtype=np.float32)])
+    assert isinstance(r.text, str)
