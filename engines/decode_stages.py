@@ -67,30 +67,61 @@ class DecodeState:
     same_frame_count: torch.Tensor  # tokens stored on last_emit_frame so far
 
 
+_LONG_FIELDS = ("time", "safe_time", "label_time", "labels", "step_durations", "count",
+                "last_emit_frame", "same_frame_count", "lengths", "last_frame", "batch_idx")
+_BOOL_FIELDS = ("active", "active_prev", "advance", "found")
+_OUTPUT_FIELDS = ("tokens", "frames", "durations")
+
+
+class DecodeBuffers:
+    """Every DecodeState tensor except enc_proj, allocated once for up to `max_batch` items and
+    `max_frames` encoder frames; `init_state` takes views of them, so batches reuse the same
+    memory (no allocation per batch, stable addresses for CUDA-graph capture)."""
+
+    def __init__(self, max_batch: int, max_frames: int, cfg: "TransducerConfig", joint_hidden: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.max_batch, self.max_frames = max_batch, max_frames
+        self.capacity = max_frames * cfg.max_symbols + 1
+        long = dict(dtype=torch.long, device=device)
+        self.vectors = {k: torch.zeros(max_batch, **long) for k in _LONG_FIELDS}
+        self.vectors.update({k: torch.zeros(max_batch, dtype=torch.bool, device=device) for k in _BOOL_FIELDS})
+        self.outputs = {k: torch.zeros(max_batch, self.capacity, **long) for k in _OUTPUT_FIELDS}
+        hc = (cfg.pred_rnn_layers, max_batch, cfg.pred_hidden)
+        self.h, self.c = torch.zeros(hc, dtype=dtype, device=device), torch.zeros(hc, dtype=dtype, device=device)
+        self.pred_out = torch.zeros(max_batch, joint_hidden, dtype=dtype, device=device)
+        self.duration_table = torch.tensor(cfg.durations, **long)
+
+    def fits(self, batch: int, frames: int) -> bool:
+        return batch <= self.max_batch and frames <= self.max_frames
+
+
 def init_state(enc_proj: torch.Tensor, lengths: torch.Tensor, prediction: "PredictionNetwork",
-               joint: "Joint", cfg: "TransducerConfig") -> DecodeState:
-    """Allocate the state and prime the prediction network with the blank (SOS) symbol."""
-    B, T, _ = enc_proj.shape
-    dev = enc_proj.device
-    lengths = lengths.to(device=dev, dtype=torch.long)
-    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+               joint: "Joint", cfg: "TransducerConfig", buffers: DecodeBuffers | None = None) -> DecodeState:
+    """Set up the state (in `buffers` when they fit, else freshly allocated) and prime the
+    prediction network with the blank (SOS) symbol."""
+    B, T, J = enc_proj.shape
+    if buffers is None or not buffers.fits(B, T):
+        buffers = DecodeBuffers(B, T, cfg, J, enc_proj.dtype, enc_proj.device)
+    v = {k: t[:B] for k, t in buffers.vectors.items()}
     capacity = T * cfg.max_symbols + 1  # at most max_symbols tokens per frame
-    sos = torch.full((B,), cfg.blank_id, dtype=torch.long, device=dev)
-    hc0 = torch.zeros(cfg.pred_rnn_layers, B, cfg.pred_hidden, dtype=enc_proj.dtype, device=dev)
-    out, (h, c) = prediction.step(sos, (hc0, hc0.clone()))
-    return DecodeState(
-        enc_proj=enc_proj, lengths=lengths, last_frame=(lengths - 1).clamp(min=0),
-        batch_idx=torch.arange(B, device=dev),
-        duration_table=torch.tensor(cfg.durations, dtype=torch.long, device=dev),
-        time=zeros.clone(), safe_time=zeros.clone(), label_time=zeros.clone(), labels=sos.clone(),
-        step_durations=zeros.clone(), active=lengths > 0, active_prev=torch.zeros_like(lengths, dtype=torch.bool),
-        advance=torch.zeros_like(lengths, dtype=torch.bool), found=torch.zeros_like(lengths, dtype=torch.bool),
-        pred_out=joint.pred(out), h=h, c=c,
-        tokens=torch.zeros(B, capacity, dtype=torch.long, device=dev),
-        frames=torch.zeros(B, capacity, dtype=torch.long, device=dev),
-        durations=torch.zeros(B, capacity, dtype=torch.long, device=dev),
-        count=zeros.clone(), last_emit_frame=torch.full_like(zeros, -1), same_frame_count=zeros.clone(),
-    )
+    out_bufs = {k: t[:B, :capacity] for k, t in buffers.outputs.items()}
+    for t in (*v.values(), *out_bufs.values()):
+        t.zero_()
+    v["lengths"].copy_(lengths)
+    torch.clamp(v["lengths"] - 1, min=0, out=v["last_frame"])
+    torch.arange(B, out=v["batch_idx"])
+    v["labels"].fill_(cfg.blank_id)
+    v["last_emit_frame"].fill_(-1)
+    torch.greater(v["lengths"], 0, out=v["active"])
+    h, c, pred_out = buffers.h[:, :B], buffers.c[:, :B], buffers.pred_out[:B]
+    h.zero_()
+    c.zero_()
+    out, (h1, c1) = prediction.step(v["labels"], (h, c))
+    h.copy_(h1)
+    c.copy_(c1)
+    pred_out.copy_(joint.pred(out))
+    return DecodeState(enc_proj=enc_proj, duration_table=buffers.duration_table, pred_out=pred_out, h=h, c=c,
+                       **v, **out_bufs)
 
 
 def _joint_step(state: DecodeState, joint: "Joint", cfg: "TransducerConfig"
@@ -209,8 +240,9 @@ def collect(state: DecodeState, with_durations: bool) -> list[Hypothesis]:
 
 
 def label_looping_decode(enc_proj: torch.Tensor, lengths: torch.Tensor, prediction: "PredictionNetwork",
-                         joint: "Joint", cfg: "TransducerConfig") -> list[Hypothesis]:
+                         joint: "Joint", cfg: "TransducerConfig", buffers: DecodeBuffers | None = None
+                         ) -> list[Hypothesis]:
     """enc_proj [B, T, J] (joint.enc already applied), lengths [B] -> B hypotheses."""
-    state = init_state(enc_proj, lengths, prediction, joint, cfg)
+    state = init_state(enc_proj, lengths, prediction, joint, cfg, buffers)
     run_label_looping(state, prediction, joint, cfg)
     return collect(state, with_durations=cfg.is_tdt)

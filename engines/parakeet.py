@@ -124,10 +124,14 @@ class ParakeetEngine:
         return cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device)
 
     def reserve(self, max_items: int) -> None:
-        """Preallocate the pinned host batch [max_items, n_mels, max frames] (CUDA only: on the
-        CPU the batch is built where the encoder reads it)."""
+        """Preallocate, once at startup, the decoder state for [max_items, encoder frames of the
+        longest piece] and (CUDA only: on the CPU the batch is built where the encoder reads it)
+        the pinned host batch [max_items, n_mels, max frames]."""
+        width = self._width(self.frontend.max_frames)
+        if isinstance(self.decoder, TransducerDecoder):
+            max_enc = int(self.encoder.output_lengths(torch.tensor([width]))[0])
+            self.decoder.reserve(max_items, max_enc)
         if self.device.startswith("cuda"):
-            width = self._width(self.frontend.max_frames)
             self._host = torch.empty(max_items, self.feature_cfg.features, width, pin_memory=True)
 
     def _width(self, frames: int) -> int:

@@ -27,7 +27,7 @@ from torch import nn
 
 from engines.checkpoint import sub_state_dict
 from engines.ctc import CTCHead, ctc_config_from_nemo, greedy_ctc
-from engines.decode_stages import Hypothesis, label_looping_decode
+from engines.decode_stages import DecodeBuffers, Hypothesis, label_looping_decode
 
 SUPPORTED_TARGETS = ("EncDecRNNTBPEModel", "EncDecHybridRNNTCTCBPEModel")
 _ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "silu": nn.SiLU, "swish": nn.SiLU}
@@ -201,6 +201,7 @@ class TransducerDecoder:
         self.prediction = prediction
         self.joint = joint
         self.ctc_head = ctc_head
+        self.buffers: DecodeBuffers | None = None  # set by reserve(); else allocated per batch
 
     @classmethod
     def from_archive(cls, archive: Any, state_dict: dict[str, torch.Tensor] | None = None) -> "TransducerDecoder":
@@ -230,7 +231,13 @@ class TransducerDecoder:
         if encoder_out.dim() != 3 or encoder_out.shape[1] != self.config.enc_hidden:
             raise ValueError(f"encoder_out must be [B, {self.config.enc_hidden}, T], got {tuple(encoder_out.shape)}")
         enc_proj = self.joint.enc(encoder_out.transpose(1, 2))  # projected once: [B, T, J]
-        return label_looping_decode(enc_proj, lengths.to(enc_proj.device), self.prediction, self.joint, self.config)
+        return label_looping_decode(enc_proj, lengths.to(enc_proj.device), self.prediction, self.joint, self.config,
+                                    self.buffers)
+
+    def reserve(self, max_batch: int, max_frames: int) -> None:
+        """Preallocate the decoding state for batches up to [max_batch, max_frames] (startup)."""
+        w = self.joint.pred.weight
+        self.buffers = DecodeBuffers(max_batch, max_frames, self.config, w.shape[0], w.dtype, w.device)
 
     @torch.inference_mode()
     def ctc_log_probs(self, encoder_out: torch.Tensor) -> torch.Tensor:

@@ -228,3 +228,26 @@ def test_state_dict_must_match_exactly():
     del state["joint.enc.bias"]
     with pytest.raises(RuntimeError, match="joint.enc.bias|enc.bias"):
         TransducerDecoder.from_archive(archive, state_dict=state)
+
+
+@needs_shared
+def test_preallocated_buffers_are_reused_and_give_identical_results():
+    """Decoding in buffers reserved once (bigger than any batch) equals fresh allocation, for
+    batches of different sizes one after the other, and never reallocates those buffers."""
+
+    ref = Reference("tdt_ctc_tiny")
+    dec = TransducerDecoder.from_archive(NemoArchive(ref.nemo))
+    encs = [torch.from_numpy(ref.array("encoder", i)) for i in range(len(ref.files))]
+    fresh = [dec.decode(e[None], torch.tensor([e.shape[1]]))[0] for e in encs]
+    dec.reserve(max_batch=8, max_frames=max(e.shape[1] for e in encs) + 5)
+    ptr = dec.buffers.outputs["tokens"].data_ptr()
+    for group in ([0], [1, 2, 3], list(range(len(encs))), [4, 5]):
+        width = max(encs[i].shape[1] for i in group)
+        batch = torch.zeros(len(group), encs[0].shape[0], width)
+        for j, i in enumerate(group):
+            batch[j, :, : encs[i].shape[1]] = encs[i]
+        hyps = dec.decode(batch, torch.tensor([encs[i].shape[1] for i in group]))
+        assert [h.tokens for h in hyps] == [fresh[i].tokens for i in group]
+        assert [h.frames for h in hyps] == [fresh[i].frames for i in group]
+        assert [h.durations for h in hyps] == [fresh[i].durations for i in group]
+    assert dec.buffers.outputs["tokens"].data_ptr() == ptr
