@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 
 from conftest import ROOT, SPEECH, Reference, needs_shared
-from transcribe.shm import our_segments
+from transcribe.shm import orphaned_segments
 
 pytestmark = needs_shared
 CRASH_LEN, HANG_LEN = 23_456, 24_680  # 16 kHz samples: the faulty frontend's cues
@@ -61,10 +61,11 @@ def _descendants(pid: int) -> list[int]:
 
 def _assert_clean(out: Path, pids: list[int] = ()) -> None:
     deadline = time.monotonic() + 10
-    while (our_segments() or [p for p in pids if Path(f"/proc/{p}").exists() and _alive(p)]) \
+    # Orphaned: segments whose creator is dead (a live job beside the tests is not a leak).
+    while (orphaned_segments() or [p for p in pids if Path(f"/proc/{p}").exists() and _alive(p)]) \
             and time.monotonic() < deadline:
         time.sleep(0.1)  # the resource tracker and the kernel finish the cleanup of a killed run
-    assert not our_segments(), our_segments()
+    assert not orphaned_segments(), orphaned_segments()
     assert not [p for p in pids if _alive(p)], "a worker outlived its job"
     assert not list(out.rglob("*.tmp")), list(out.rglob("*.tmp"))
     for p in out.rglob("*.json"):

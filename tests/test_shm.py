@@ -5,7 +5,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import pytest
 
-from transcribe.shm import PREFIX, Slab, our_segments, sweep_stale
+from transcribe.shm import PREFIX, SHM_DIR, Slab, orphaned_segments, our_segments, sweep_stale
 
 
 def _fill(spec, slot, value):
@@ -51,3 +51,13 @@ def test_sweep_removes_segments_of_dead_processes_only():
     with Slab.create(1, 1) as alive:
         assert dead in sweep_stale()
         assert alive.spec.name in our_segments() and dead not in our_segments()
+
+
+def test_orphaned_segments_are_those_of_dead_creators():
+    with Slab.create(1, 16) as live:
+        dead = f"{PREFIX}999999999-deadbeef"  # no such pid
+        (SHM_DIR / dead).write_bytes(b"x")
+        try:
+            assert dead in orphaned_segments() and live.spec.name not in orphaned_segments()
+        finally:
+            (SHM_DIR / dead).unlink(missing_ok=True)

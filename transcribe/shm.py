@@ -104,15 +104,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale() -> list[str]:
-    """Remove segments whose creating process no longer exists; returns their names."""
-    removed = []
+def orphaned_segments() -> list[str]:
+    """Our segments whose creating process no longer exists: what a run left behind (a live
+    run's segment, e.g. a job beside the tests, is not)."""
+    out = []
     for name in our_segments():
         pid_s = name[len(PREFIX):].split("-", 1)[0]
         if pid_s.isdigit() and not _alive(int(pid_s)):
-            try:
-                (SHM_DIR / name).unlink()
-                removed.append(name)
-            except (FileNotFoundError, PermissionError):
-                pass  # gone already, or another user's: not ours to remove
+            out.append(name)
+    return out
+
+
+def sweep_stale() -> list[str]:
+    """Remove segments whose creating process no longer exists; returns their names."""
+    removed = []
+    for name in orphaned_segments():
+        try:
+            (SHM_DIR / name).unlink()
+            removed.append(name)
+        except (FileNotFoundError, PermissionError):
+            pass  # gone already, or another user's: not ours to remove
     return removed
