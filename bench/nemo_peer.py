@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """NeMo peer for the speed/accuracy comparison: NVIDIA NeMo's own `transcribe()` on CPU.
 
-Runs INSIDE the NeMo virtualenv (see bench/README.md), never with the project's venv; it
-imports nothing from this repository.
+Runs INSIDE the NeMo virtualenv (see bench/README.md), never with the project's venv; from
+this repository it imports only `transcribe.bench.normalize_text` (standard library only), so
+both peers' WER use the very same normalisation.
 
     /work/venvs/nemo/bin/python bench/nemo_peer.py --model M.nemo --manifest test.jsonl \
         --batch-size 8 --threads 2 --json out.json
@@ -35,24 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
-import unicodedata
 
 WER_NORMALISATION = (
     "NFKC, lower case, non-[letter/digit/apostrophe/space] -> space, "
     "word-edge apostrophes dropped, whitespace collapsed"
 )
-_NON_WORD = re.compile(r"[^\w' ]+")
-_EDGE_APOS = re.compile(r"(^|\s)'+|'+(\s|$)")
-
-
-def normalize_text(text: str) -> str:
-    t = unicodedata.normalize("NFKC", text).lower().replace("_", " ")
-    t = _NON_WORD.sub(" ", t)
-    t = _EDGE_APOS.sub(r"\1 \2", t)
-    return " ".join(t.split())
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from transcribe.bench import normalize_text  # noqa: E402  (repo root on the path first)
 
 
 def _edit_distance(ref: list, hyp: list) -> int:
