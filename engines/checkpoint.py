@@ -125,6 +125,12 @@ def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     return {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
 
 
+def pop_sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Like `sub_state_dict`, but the entries leave `state`: the result is their only holder."""
+    p = prefix + "."
+    return {k[len(p):]: state.pop(k) for k in [k for k in state if k.startswith(p)]}
+
+
 def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: float = 10.0) -> Path:
     """A local path for `model`: a path to a `.nemo` file, or a registry name.
 

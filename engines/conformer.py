@@ -150,14 +150,19 @@ class ConformerEncoder(nn.Module):
             layer.self_attn.export_mode = on
 
     @classmethod
-    def from_state(cls, cfg: EncoderConfig, state: dict[str, Tensor], *, pack_linears: bool = True) -> "ConformerEncoder":
+    def from_state(cls, cfg: EncoderConfig, state: dict[str, Tensor], *, pack_linears: bool = True,
+                   consume: bool = False) -> "ConformerEncoder":
         """Build on the meta device (no init cost), take the tensors of `state` (NeMo's `encoder.*`
         keys without the prefix) as parameters, fill the positional table, eval mode, then
-        `fuse_for_inference(pack_linears)` (pass False for a model to export or train)."""
+        `fuse_for_inference(pack_linears)` (pass False for a model to export or train).
+        `consume=True` empties `state` once loaded, so each weight that fusing replaces (a packed
+        copy of every linear) is freed at once instead of both copies living until the end."""
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(state, strict=True, assign=True)
         ref = state["pre_encode.out.weight"]  # present in every supported layout (strict load)
+        if consume:
+            state.clear()
         model.pos_enc.materialise(ref.device, ref.dtype)
         model.eval()
         model.requires_grad_(False)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.checkpoint import NemoArchive, sub_state_dict
+from engines.checkpoint import NemoArchive, pop_sub_state_dict, sub_state_dict
 from engines.conformer import ConformerEncoder, EncoderConfig
 from engines.ctc import CTCDecoder
 from engines.tokenizer import Tokenizer
@@ -110,8 +110,9 @@ class ParakeetEngine:
             bufs = sub_state_dict(state, "preprocessor.featurizer")
             features = LogMel(fcfg, window=bufs.get("window"), fb=bufs.get("fb"))
             # oneDNN-packed weights are CPU-only opaque tensors that `.to()` cannot move.
-            encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), sub_state_dict(state, "encoder"),
-                                                  pack_linears=device == "cpu")
+            # The encoder takes its weights out of `state` and frees each one that packing replaces.
+            encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), pop_sub_state_dict(state, "encoder"),
+                                                  pack_linears=device == "cpu", consume=True)
             target = str(cfg.get("target", ""))
             if target.endswith(CTC_ONLY_TARGETS) or decoding == "ctc" and "aux_ctc" not in cfg:
                 decoder, kind = CTCDecoder.from_archive(archive, state), "ctc"

@@ -35,3 +35,23 @@ def test_hybrid_ctc_head_decodes():
     blank = lp.shape[-1] - 1
     expected = [int(t) for k, t in enumerate(ids) if t != blank and (k == 0 or t != ids[k - 1])]
     assert r.tokens == expected and np.isfinite(lp).all()
+
+
+@needs_shared
+def test_consumed_state_builds_the_same_encoder_and_is_emptied():
+    import torch
+
+    from engines.checkpoint import NemoArchive, pop_sub_state_dict, sub_state_dict
+    from engines.conformer import ConformerEncoder, EncoderConfig
+
+    ref = Reference("tdt_tiny")
+    with NemoArchive(ref.nemo) as a:
+        cfg, state = EncoderConfig.from_nemo(a.config["encoder"]), a.state_dict()
+    kept = ConformerEncoder.from_state(cfg, sub_state_dict(state, "encoder"))
+    taken = pop_sub_state_dict(state, "encoder")
+    assert taken and not any(k.startswith("encoder.") for k in state)  # popped out of the full dict
+    consumed = ConformerEncoder.from_state(cfg, taken, consume=True)
+    assert taken == {}
+    feats = torch.from_numpy(ref.array("features", 0))[None]
+    with torch.inference_mode():
+        assert torch.equal(kept(feats, torch.tensor([feats.shape[2]]))[0], consumed(feats, torch.tensor([feats.shape[2]]))[0])
