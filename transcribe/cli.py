@@ -173,7 +173,7 @@ def stream(
                f"{summary['steps']} steps (p50 {summary['step_ms_p50']:.1f} ms)", err=True)
 
 
-@sub_app.command(help="Serve streaming transcription over TCP (newline-delimited JSON; protocol in transcribe/streaming/protocol.py).")
+@sub_app.command(help="Serve streaming transcription over TCP (newline-delimited JSON) and optionally WebSocket (--ws-port); protocol in transcribe/streaming/protocol.py.")
 def serve(
     model: str = typer.Option(..., "--model", "-m", help="A cache-aware streaming RNN-T .nemo (or registry name)."),
     host: str = typer.Option("127.0.0.1", "--host"),
@@ -181,12 +181,13 @@ def serve(
     max_streams: int = typer.Option(16, "--max-streams", min=1, help="Cache slots: streams decoded at once."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Clients queued for a slot before 'busy'."),
     idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", help="Drop a silent client after this many seconds."),
+    ws_port: Optional[int] = typer.Option(None, "--ws-port", help="Also serve the protocol over WebSocket on this port (default: off)."),
 ) -> None:
     from transcribe.streaming.cli_commands import serve as run_server
 
     try:
         run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
-                   idle_timeout_s=idle_timeout_s)
+                   idle_timeout_s=idle_timeout_s, ws_port=ws_port)
     except (ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
 

@@ -80,12 +80,13 @@ def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) ->
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
-          idle_timeout_s: float = 15.0) -> None:
-    """Run the streaming TCP server until interrupted (see transcribe/streaming/protocol.py)."""
+          idle_timeout_s: float = 15.0, ws_port: int | None = None) -> None:
+    """Run the streaming server until interrupted (see transcribe/streaming/protocol.py): TCP on
+    `port`, and the same protocol over WebSocket on `ws_port` when given (None = no WebSocket)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     sm = load_streaming_model(model)
-    cfg = ServerConfig(host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
-                       idle_timeout_s=idle_timeout_s)
+    cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
+                       max_waiting=max_waiting, idle_timeout_s=idle_timeout_s)
     try:
         asyncio.run(serve_forever(sm, cfg))
     except KeyboardInterrupt:

@@ -1,12 +1,14 @@
-"""The streaming wire protocol: JSON messages, one per line over TCP (one per text frame over
-WebSocket, where audio may also travel as binary frames).
+"""The streaming wire protocol: JSON messages, one per line over TCP, or one per text frame
+over WebSocket (`transcribe serve --ws-port`), where audio may also travel as binary frames.
 
 Client -> server
     {"type": "hello", "stream_id": "abc", "sample_rate": 16000, "format": "pcm16"}
         format: "pcm16" (little-endian int16) or "float32" (little-endian); must come first
     {"type": "audio", "data": "<base64 of PCM in the hello's format>"}
+    <binary frame>                         WebSocket only: the same PCM, raw (no base64);
+                                           may be mixed with "audio" messages
     {"type": "end"}                        no more audio: the server sends the final result
-Server -> client
+Server -> client (over WebSocket: text frames)
     {"type": "ready", "stream_id": ...}    a slot is assigned: audio is decoded as it arrives
     {"type": "waiting", "stream_id": ..., "position": n}   queued for a slot (audio is kept)
     {"type": "partial"|"final", "stream_id": ..., "text": ..., "words": [{"word", "start",
@@ -14,6 +16,10 @@ Server -> client
         audio_seconds: audio decoded so far
     {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
         the connection after an error (the stream is over, its slot returned)
+A message (line or frame) is at most MAX_LINE_BYTES. Over TCP a longer line gets a
+"bad_message" error; over WebSocket a longer frame makes the server close with code 1009
+(message too big), as the WebSocket library enforces the limit before the message is read.
+Both transports share the error codes, idle timeout and slot pool; any URL path is accepted.
 """
 from __future__ import annotations
 
@@ -129,10 +135,13 @@ def error_message(code: str, message: str) -> dict[str, Any]:
     return {"type": "error", "code": code, "message": message}
 
 
+def encode_pcm(samples: np.ndarray, fmt: str = "pcm16") -> bytes:
+    """Client side: float32 samples -> little-endian PCM bytes (a WebSocket binary frame)."""
+    if fmt == "pcm16":
+        return (np.clip(samples, -1.0, 32767 / 32768) * 32768.0).round().astype("<i2").tobytes()
+    return samples.astype("<f4").tobytes()
+
+
 def audio_message(samples: np.ndarray, fmt: str = "pcm16") -> dict[str, Any]:
     """Client side: float32 samples -> an audio message."""
-    if fmt == "pcm16":
-        raw = (np.clip(samples, -1.0, 32767 / 32768) * 32768.0).round().astype("<i2").tobytes()
-    else:
-        raw = samples.astype("<f4").tobytes()
-    return {"type": "audio", "data": base64.b64encode(raw).decode()}
+    return {"type": "audio", "data": base64.b64encode(encode_pcm(samples, fmt)).decode()}

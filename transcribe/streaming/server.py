@@ -1,7 +1,10 @@
-"""`transcribe serve`: an asyncio TCP server (newline-delimited JSON, see `protocol`) over one
-`Scheduler`.
+"""`transcribe serve`: an asyncio server over one `Scheduler`, speaking the `protocol` over TCP
+(newline-delimited JSON) and, when `ws_port` is set, over WebSocket (JSON text frames, audio
+also as binary PCM frames).
 
-One event loop does all socket I/O and scheduling; the batched pool step runs in one worker
+Both transports are thin adapters (`_TcpTransport`, `_WsTransport`: receive a message, send a
+message, abort, close) around one per-connection handler, so admission, errors, timeouts and
+slot release are the same code. One event loop does all socket I/O and scheduling; the batched pool step runs in one worker
 thread (torch releases the GIL), so reading audio and sending results go on while the model
 computes. Every client has a bounded outgoing queue: a client that does not read its results
 (queue full) or sends nothing for `idle_timeout_s` is dropped, and its slot returns to the pool.
@@ -13,10 +16,14 @@ import concurrent.futures
 import gc
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionState, StreamSession
+
+if TYPE_CHECKING:  # websockets is imported only when a WebSocket port is served
+    from websockets.asyncio.server import Server as WsServer, ServerConnection
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8765  # 0 = any free port (tests)
+    ws_port: int | None = None  # WebSocket listener on the same host; None = off, 0 = any free port
     max_streams: int = 16
     max_waiting: int = 64
     idle_timeout_s: float = 15.0  # silence from a client before it is dropped
@@ -34,10 +42,76 @@ class ServerConfig:
     send_queue: int = 256  # messages buffered per client before it counts as too slow
 
 
+Incoming = dict[str, Any] | bytes  # a parsed JSON message, or a binary frame of raw PCM (WebSocket)
+
+
+class _Transport(Protocol):
+    """One connection's framing. recv/send raise ConnectionError once the peer is gone."""
+
+    async def recv(self) -> Incoming: ...
+    async def send(self, msg: dict) -> None: ...
+    def abort(self) -> None: ...  # drop at once, no goodbye (a slow client is not reading)
+    async def close(self) -> None: ...
+
+
+class _TcpTransport:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    async def recv(self) -> Incoming:
+        try:
+            line = await self.reader.readline()
+        except ValueError as e:  # StreamReader: line over the limit
+            raise P.ProtocolError("bad_message", f"message too long: {e}") from None
+        if not line:
+            raise ConnectionResetError("client closed the connection")
+        return P.parse_json(line)
+
+    async def send(self, msg: dict) -> None:
+        self.writer.write(P.encode(msg))
+        await self.writer.drain()
+
+    def abort(self) -> None:
+        self.writer.transport.abort()
+
+    async def close(self) -> None:
+        self.writer.close()
+
+
+class _WsTransport:
+    """websockets' ConnectionClosed becomes ConnectionResetError, so the shared handler needs
+    no websockets import. A frame over `max_size` makes websockets close with 1009 (no error
+    message can follow), which the handler sees as a disconnect."""
+
+    def __init__(self, ws: "ServerConnection"):
+        from websockets.exceptions import ConnectionClosed
+
+        self.ws, self._closed = ws, ConnectionClosed
+
+    async def recv(self) -> Incoming:
+        try:
+            frame = await self.ws.recv()  # cancelling recv (idle timeout) loses no data
+        except self._closed as e:
+            raise ConnectionResetError(f"client closed the WebSocket: {e}") from None
+        return frame if isinstance(frame, bytes) else P.parse_json(frame)
+
+    async def send(self, msg: dict) -> None:
+        try:
+            await self.ws.send(P.encode(msg).decode())  # str -> a text frame
+        except self._closed as e:
+            raise ConnectionResetError(f"client closed the WebSocket: {e}") from None
+
+    def abort(self) -> None:
+        self.ws.transport.abort()
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
 class _Client:
-    def __init__(self, writer: asyncio.StreamWriter, maxsize: int):
-        self.writer = writer
-        self.out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize)
+    def __init__(self, transport: _Transport, maxsize: int):
+        self.transport = transport
+        self.out: asyncio.Queue[dict | None] = asyncio.Queue(maxsize)
         self.session: StreamSession | None = None
         self.final = asyncio.Event()
         self.dropped = False
@@ -51,32 +125,55 @@ class StreamServer:
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stream-step")
         self._server: asyncio.base_events.Server | None = None
+        self._ws_server: WsServer | None = None
+        self.ws_address: tuple[str, int] | None = None  # bound (host, port) when ws_port is set
         self._engine: asyncio.Task | None = None
         self.steps = 0
 
     async def start(self) -> tuple[str, int]:
-        """Listen; returns the bound (host, port)."""
-        self._server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port, limit=P.MAX_LINE_BYTES)
+        """Listen; returns the bound TCP (host, port) (the WebSocket one is `ws_address`)."""
+        self._server = await asyncio.start_server(self._handle_tcp, self.cfg.host, self.cfg.port,
+                                                  limit=P.MAX_LINE_BYTES)
+        if self.cfg.ws_port is not None:
+            await self._start_ws()
         self._engine = asyncio.create_task(self._engine_loop())
         gc.collect()
         gc.freeze()  # the model and pool live forever: keep them out of every collection
         return self._server.sockets[0].getsockname()[:2]
 
+    async def _start_ws(self) -> None:
+        from websockets.asyncio.server import serve as ws_serve
+
+        # compression off: PCM barely deflates and zlib would cost the loop CPU on every frame
+        self._ws_server = await ws_serve(self._handle_ws, self.cfg.host, self.cfg.ws_port,
+                                         max_size=P.MAX_LINE_BYTES, compression=None)
+        self.ws_address = self._ws_server.sockets[0].getsockname()[:2]
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._ws_server is not None:
+            self._ws_server.close()
         if self._engine is not None:
             self._engine.cancel()
         for client in list(self._clients.values()):
             self._drop(client)
+        if self._ws_server is not None:  # its close runs in a task: let it finish on this loop
+            await self._ws_server.wait_closed()
         self._executor.shutdown(wait=True)
 
     # -- per connection -------------------------------------------------------------------
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = _Client(writer, self.cfg.send_queue)
+    async def _handle_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._handle(_TcpTransport(reader, writer))
+
+    async def _handle_ws(self, ws: "ServerConnection") -> None:
+        await self._handle(_WsTransport(ws))
+
+    async def _handle(self, transport: _Transport) -> None:
+        client = _Client(transport, self.cfg.send_queue)
         sender = asyncio.create_task(self._sender(client))
         try:
-            await self._serve(client, reader)
+            await self._serve(client)
         except P.ProtocolError as e:
             self._send(client, P.error_message(e.code, str(e)))
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -87,10 +184,13 @@ class StreamServer:
                 client.out.put_nowait(None)  # sender: flush what is queued, then stop
             await asyncio.wait([sender], timeout=2.0)
             sender.cancel()
-            writer.close()
+            await transport.close()
 
-    async def _serve(self, client: _Client, reader: asyncio.StreamReader) -> None:
-        hello = P.parse_hello(P.parse_json(await self._readline(reader)), self.model.sample_rate)
+    async def _serve(self, client: _Client) -> None:
+        first = await self._recv(client)
+        if isinstance(first, bytes):
+            raise P.ProtocolError("bad_message", 'first message must be "hello", got a binary frame')
+        hello = P.parse_hello(first, self.model.sample_rate)
         try:
             session = self.scheduler.open(hello.stream_id)
         except Busy as e:
@@ -105,7 +205,7 @@ class StreamServer:
             self._send(client, {"type": "waiting", "stream_id": hello.stream_id,
                                 "position": len(self.scheduler.waiting)})
         while not client.dropped:
-            msg = P.parse_stream_message(P.parse_json(await self._readline(reader)), hello.format)
+            msg = self._stream_message(await self._recv(client), hello.format)
             if isinstance(msg, P.End):
                 session.end()
                 self._wake.set()
@@ -117,27 +217,30 @@ class StreamServer:
             session.push_audio(msg.samples)
             self._wake.set()
 
-    async def _readline(self, reader: asyncio.StreamReader) -> bytes:
+    @staticmethod
+    def _stream_message(incoming: Incoming, fmt: str) -> P.Audio | P.End:
+        if isinstance(incoming, bytes):  # a WebSocket binary frame: raw PCM in the hello's format
+            return P.Audio(P.decode_pcm(incoming, fmt))
+        return P.parse_stream_message(incoming, fmt)
+
+    async def _recv(self, client: _Client) -> Incoming:
         try:
-            line = await asyncio.wait_for(reader.readline(), self.cfg.idle_timeout_s)
+            return await asyncio.wait_for(client.transport.recv(), self.cfg.idle_timeout_s)
         except asyncio.TimeoutError:
             raise P.ProtocolError("timeout", f"nothing received for {self.cfg.idle_timeout_s} s") from None
-        except ValueError as e:  # StreamReader: line over the limit
-            raise P.ProtocolError("bad_message", f"message too long: {e}") from None
-        if not line:
-            raise ConnectionResetError("client closed the connection")
-        return line
 
     async def _sender(self, client: _Client) -> None:
-        while (data := await client.out.get()) is not None:
-            client.writer.write(data)
-            await client.writer.drain()
+        try:
+            while (msg := await client.out.get()) is not None:
+                await client.transport.send(msg)
+        except ConnectionError:  # the client is gone; the handler sees it on its next receive
+            log.info("client stopped reading")
 
     def _send(self, client: _Client, msg: dict) -> None:
         if client.dropped:
             return
         try:
-            client.out.put_nowait(P.encode(msg))
+            client.out.put_nowait(msg)
         except asyncio.QueueFull:
             log.warning("dropping slow client %s", client.session and client.session.stream_id)
             self._drop(client)
@@ -145,7 +248,7 @@ class StreamServer:
     def _drop(self, client: _Client) -> None:
         client.dropped = True
         self._close_session(client, failed=True)
-        client.writer.transport.abort()
+        client.transport.abort()
 
     def _close_session(self, client: _Client, failed: bool) -> None:
         session = client.session
@@ -213,6 +316,8 @@ async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> None:
     server = StreamServer(model, cfg)
     host, port = await server.start()
     log.warning("listening on %s:%d (max_streams=%d)", host, port, cfg.max_streams)
+    if server.ws_address is not None:
+        log.warning("WebSocket on ws://%s:%d", *server.ws_address)
     try:
         await asyncio.Event().wait()
     finally:

@@ -1,0 +1,122 @@
+"""The WebSocket transport of the streaming server: the same protocol as TCP (JSON text frames,
+audio also as binary PCM frames), the same results, error codes and slot release."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import soundfile as sf
+
+from tests.conftest import NEMO_REF, needs_shared
+from transcribe.streaming import protocol as P
+from transcribe.streaming.client import stream_audio, stream_audio_ws
+from transcribe.streaming.scheduler import StreamingModel
+from transcribe.streaming.server import ServerConfig, StreamServer
+
+websockets = pytest.importorskip("websockets")
+from websockets.asyncio.client import connect  # noqa: E402  (after the importorskip)
+
+pytestmark = needs_shared
+VARIANT = NEMO_REF / "rnnt_streaming_tiny"
+
+
+@pytest.fixture(scope="module")
+def model() -> StreamingModel:
+    return StreamingModel.from_nemo(VARIANT / "model.nemo")
+
+
+@pytest.fixture(scope="module")
+def files() -> list[dict]:
+    meta = json.loads((VARIANT / "reference.json").read_text())
+    return [{**f, "samples": sf.read(str((NEMO_REF / f["audio"]).resolve()), dtype="float32")[0]}
+            for f in meta["files"]]
+
+
+def _run(model, cfg: ServerConfig, scenario):
+    """Start TCP + WebSocket on free ports, run `scenario(server, url, tcp)`, check the pool is whole."""
+    async def main():
+        server = StreamServer(model, cfg)
+        tcp = await server.start()
+        url = "ws://%s:%d" % server.ws_address
+        try:
+            out = await scenario(server, url, tcp)
+            for _ in range(50):  # disconnect handling runs in the server's own tasks
+                if server.scheduler.pool.free_slots == cfg.max_streams:
+                    break
+                await asyncio.sleep(0.02)
+            assert server.scheduler.pool.free_slots == cfg.max_streams
+            assert not server.scheduler.active and not server.scheduler.waiting
+            return out
+        finally:
+            await server.stop()
+    return asyncio.run(main())
+
+
+async def _raw(url, frames: list[str | bytes], read_timeout=5.0) -> list[dict]:
+    """Send frames as they are; every text frame back until the server closes."""
+    out = []
+    async with connect(url) as ws:
+        for frame in frames:
+            await ws.send(frame)
+        while True:
+            try:
+                out.append(json.loads(await asyncio.wait_for(ws.recv(), read_timeout)))
+            except websockets.exceptions.ConnectionClosed:
+                return out
+
+
+def _hello(sid="x", rate=16000, fmt="pcm16") -> str:
+    return P.encode({"type": "hello", "stream_id": sid, "sample_rate": rate, "format": fmt}).decode()
+
+
+def test_ws_binary_audio_gives_nemo_partials_alongside_tcp(model, files):
+    f = files[2]
+
+    async def scenario(server, url, tcp):
+        return await asyncio.gather(  # both transports share one scheduler and pool
+            stream_audio_ws(url, "ws", f["samples"], piece_s=0.25, realtime=False),
+            stream_audio(*tcp, "tcp", f["samples"], piece_s=0.25, realtime=False))
+
+    ws_run, tcp_run = _run(model, ServerConfig(port=0, ws_port=0, max_streams=2), scenario)
+    assert ws_run.messages[0]["type"] == "ready"
+    assert [m["text"] for m in ws_run.messages if m["type"] in ("partial", "final")] == f["partial_texts"]
+    assert ws_run.final["text"] == tcp_run.final["text"] == f["offline_text"]
+    assert ws_run.final["words"] == tcp_run.final["words"]
+
+
+def test_ws_bad_clients_get_the_tcp_error_codes(model, files):
+    audio = files[2]["samples"]
+
+    async def scenario(server, url, tcp):
+        codes = []
+        for frames in (["not json"], [_hello(rate=8000)], [b"\x00\x00"],  # binary before hello
+                       [_hello("b"), b"\x00\x00\x00"],  # 3 bytes: odd pcm16
+                       [_hello("c"), '{"type": "pause"}']):
+            msgs = await _raw(url, frames)
+            codes.append(msgs[-1].get("code"))
+        good = await stream_audio_ws(url, "good", audio, realtime=False, binary=False)  # base64 text frames
+        return codes, good
+
+    codes, good = _run(model, ServerConfig(port=0, ws_port=0, max_streams=2), scenario)
+    assert codes == ["bad_message", "sample_rate", "bad_message", "bad_audio", "bad_message"]
+    assert good.final["text"] == files[2]["offline_text"]
+
+
+def test_ws_abrupt_close_and_silence_free_their_slots(model, files):
+    audio = files[0]["samples"]
+
+    async def scenario(server, url, tcp):
+        for i in range(2):  # vanish mid-stream without a close frame
+            ws = await connect(url)
+            await ws.send(_hello(f"gone{i}"))
+            await ws.send(P.encode_pcm(audio[: 16000 * (i + 1)]))
+            await asyncio.sleep(0.1)
+            ws.transport.abort()
+        silent = await _raw(url, [_hello("silent")])
+        good = await stream_audio_ws(url, "good", files[2]["samples"], realtime=False)
+        return silent, good
+
+    silent, good = _run(model, ServerConfig(port=0, ws_port=0, max_streams=2, idle_timeout_s=0.5), scenario)
+    assert silent[-1]["code"] == "timeout"
+    assert good.final["text"] == files[2]["offline_text"]
