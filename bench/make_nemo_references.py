@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import json
 import logging
 import os

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import NEMO_REF, OFFLINE_VARIANTS, Reference, needs_shared
+from conftest import OFFLINE_VARIANTS, Reference, needs_shared
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

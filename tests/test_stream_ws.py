@@ -5,32 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-import soundfile as sf
 
-from tests.conftest import NEMO_REF, needs_shared
+from conftest import needs_shared
 from transcribe.streaming import protocol as P
 from transcribe.streaming.client import stream_audio, stream_audio_ws
-from transcribe.streaming.scheduler import StreamingModel
 from transcribe.streaming.server import ServerConfig, StreamServer
 
-websockets = pytest.importorskip("websockets")
-from websockets.asyncio.client import connect  # noqa: E402  (after the importorskip)
+import websockets  # noqa: E402,F401  (a dependency of the package: must import)
+from websockets.asyncio.client import connect  # noqa: E402
+
+from streaming_fixtures import files, model  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
-VARIANT = NEMO_REF / "rnnt_streaming_tiny"
-
-
-@pytest.fixture(scope="module")
-def model() -> StreamingModel:
-    return StreamingModel.from_nemo(VARIANT / "model.nemo")
-
-
-@pytest.fixture(scope="module")
-def files() -> list[dict]:
-    meta = json.loads((VARIANT / "reference.json").read_text())
-    return [{**f, "samples": sf.read(str((NEMO_REF / f["audio"]).resolve()), dtype="float32")[0]}
-            for f in meta["files"]]
 
 
 def _run(model, cfg: ServerConfig, scenario):

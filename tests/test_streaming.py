@@ -2,37 +2,20 @@
 to streaming alone, the slot pool and admission control."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
-import soundfile as sf
 import torch
 
 from engines.stream_pool import ChunkInput, PoolExhausted
 from engines.streaming_encoder import CacheAwareEncoder, chunk_features, chunk_plan
-from tests.conftest import NEMO_REF, needs_shared
+from conftest import NEMO_REF, needs_shared
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import IncrementalLogMel, SessionState
 
+from streaming_fixtures import files, model  # noqa: F401  (fixtures)
+
 pytestmark = needs_shared
-VARIANT = NEMO_REF / "rnnt_streaming_tiny"
-
-
-@pytest.fixture(scope="module")
-def model() -> StreamingModel:
-    return StreamingModel.from_nemo(VARIANT / "model.nemo")
-
-
-@pytest.fixture(scope="module")
-def files() -> list[dict]:
-    meta = json.loads((VARIANT / "reference.json").read_text())
-    out = []
-    for f in meta["files"]:
-        audio, sr = sf.read(str((NEMO_REF / f["audio"]).resolve()), dtype="float32")
-        assert sr == 16000
-        out.append({**f, "samples": audio})
-    return out
 
 
 def _full_features(model: StreamingModel, audio: np.ndarray) -> torch.Tensor:
