@@ -2,6 +2,7 @@
 Import them into a test module (`from streaming_fixtures import model, files`)."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import soundfile as sf
 
 from conftest import NEMO_REF
 from transcribe.streaming.scheduler import StreamingModel
+from transcribe.streaming.server import ServerConfig, StreamServer
 
 VARIANT = NEMO_REF / "rnnt_streaming_tiny"
 
@@ -29,3 +31,24 @@ def files() -> list[dict]:
             raise ValueError(f"{f['audio']}: {sr} Hz, the fixture's references are at 16 kHz")
         out.append({**f, "samples": audio})
     return out
+
+
+def serve_and_check(model: StreamingModel, cfg: ServerConfig, scenario):
+    """Start a server (TCP, and WebSocket when cfg.ws_port is set), run
+    `await scenario(server, (tcp host, tcp port))`, then check the pool is whole again: every
+    slot free, no stream active or waiting. Returns the scenario's result."""
+    async def main():
+        server = StreamServer(model, cfg)
+        tcp = await server.start()
+        try:
+            out = await scenario(server, tcp)
+            for _ in range(50):  # disconnect handling runs in the server's own tasks
+                if server.scheduler.pool.free_slots == cfg.max_streams:
+                    break
+                await asyncio.sleep(0.02)
+            assert server.scheduler.pool.free_slots == cfg.max_streams
+            assert not server.scheduler.active and not server.scheduler.waiting
+            return out
+        finally:
+            await server.stop()
+    return asyncio.run(main())

@@ -10,30 +10,16 @@ import json
 from conftest import needs_shared
 from transcribe.streaming import protocol as P
 from transcribe.streaming.client import stream_audio
-from transcribe.streaming.server import ServerConfig, StreamServer
+from transcribe.streaming.server import ServerConfig
 
-from streaming_fixtures import files, model  # noqa: F401  (fixtures)
+from streaming_fixtures import files, model, serve_and_check  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
 
 def _run(model, cfg: ServerConfig, scenario):
-    """Start a server on a free port, run `scenario(server, host, port)`, check it is whole."""
-    async def main():
-        server = StreamServer(model, cfg)
-        host, port = await server.start()
-        try:
-            out = await scenario(server, host, port)
-            for _ in range(50):  # disconnect handling runs in the server's own tasks
-                if server.scheduler.pool.free_slots == cfg.max_streams:
-                    break
-                await asyncio.sleep(0.02)
-            assert server.scheduler.pool.free_slots == cfg.max_streams
-            assert not server.scheduler.active and not server.scheduler.waiting
-            return out
-        finally:
-            await server.stop()
-    return asyncio.run(main())
+    """`scenario(server, host, port)` against a TCP server; the pool must be whole after."""
+    return serve_and_check(model, cfg, lambda server, tcp: scenario(server, *tcp))
 
 
 async def _raw(host, port, lines: list[bytes], read_timeout=5.0) -> list[dict]:

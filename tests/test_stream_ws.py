@@ -9,34 +9,19 @@ import json
 from conftest import needs_shared
 from transcribe.streaming import protocol as P
 from transcribe.streaming.client import stream_audio, stream_audio_ws
-from transcribe.streaming.server import ServerConfig, StreamServer
+from transcribe.streaming.server import ServerConfig
 
 import websockets  # noqa: E402,F401  (a dependency of the package: must import)
 from websockets.asyncio.client import connect  # noqa: E402
 
-from streaming_fixtures import files, model  # noqa: F401  (fixtures)
+from streaming_fixtures import files, model, serve_and_check  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
 
 def _run(model, cfg: ServerConfig, scenario):
-    """Start TCP + WebSocket on free ports, run `scenario(server, url, tcp)`, check the pool is whole."""
-    async def main():
-        server = StreamServer(model, cfg)
-        tcp = await server.start()
-        url = "ws://%s:%d" % server.ws_address
-        try:
-            out = await scenario(server, url, tcp)
-            for _ in range(50):  # disconnect handling runs in the server's own tasks
-                if server.scheduler.pool.free_slots == cfg.max_streams:
-                    break
-                await asyncio.sleep(0.02)
-            assert server.scheduler.pool.free_slots == cfg.max_streams
-            assert not server.scheduler.active and not server.scheduler.waiting
-            return out
-        finally:
-            await server.stop()
-    return asyncio.run(main())
+    """`scenario(server, ws url, tcp address)` with both transports; the pool must be whole after."""
+    return serve_and_check(model, cfg, lambda server, tcp: scenario(server, "ws://%s:%d" % server.ws_address, tcp))
 
 
 async def _raw(url, frames: list[str | bytes], read_timeout=5.0) -> list[dict]:
