@@ -9,15 +9,18 @@ member is a seekable window of the archive), so a 2.4 GB checkpoint costs no tem
 from __future__ import annotations
 
 import os
+import socket
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import yaml
 
 CONFIG_MEMBER = "model_config.yaml"
+PROBE_TIMEOUT_S = 2.0  # one TCP connect to the hub before any download
 WEIGHTS_MEMBER = "model_weights.ckpt"
 
 
@@ -150,13 +153,30 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
     return _hf_download(entry, offline=offline, timeout_s=timeout_s)
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE set to a true value: never touch the network."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the Hugging Face endpoint accepts a TCP connection within `timeout_s`."""
+    if hub_offline():
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float) -> Path:
     # Imported here: resolving a local path must not pay for huggingface_hub's import.
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     if offline is None:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        offline = hub_offline()
     files = (entry.filename, *entry.extra_files)
     try:
         # Cache first: a filled cache must never wait on the network.
@@ -167,6 +187,10 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
                 f"{entry.name}: not in the Hugging Face cache and offline mode is on "
                 f"(download {entry.repo_id} ({', '.join(files)}) on a connected machine, or pass a local path)"
             ) from None
+    # Only now, on a cache miss, is the network needed: a quick probe first, so that a network
+    # that drops packets fails in seconds instead of hanging the download.
+    if not hub_reachable():
+        raise CheckpointError(f"{entry.name}: not in the Hugging Face cache and the hub is unreachable")
     try:
         return [Path(hf_hub_download(entry.repo_id, f, etag_timeout=timeout_s)) for f in files][0]
     except Exception as e:  # network errors come in many types (requests, httpx, OSError)

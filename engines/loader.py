@@ -1,25 +1,21 @@
 """Which model to run, and loading it: `--model` > $TRANSCRIBE_MODEL > parakeet-tdt-0.6b-v2 (in
 the Hugging Face cache, or fetched when the hub answers quickly) > the bundled whisper-base.
 
-Never hangs on a network that drops packets: before any download we open one TCP connection
-to the hub with a short timeout, and go offline if it does not answer.
+Never hangs on a network that drops packets: `engines.checkpoint` opens one TCP connection
+to the hub with a short timeout before any download (only on a cache miss), and here before
+choosing Parakeet over the bundled model.
 """
 from __future__ import annotations
 
 import os
-import socket
 import sys
-from urllib.parse import urlparse
-
 from pathlib import Path
 
-from engines.checkpoint import REGISTRY, CheckpointError, RegistryEntry, resolve_checkpoint
+from engines.checkpoint import REGISTRY, CheckpointError, hub_reachable, resolve_checkpoint
 
 DEFAULT_PARAKEET = "parakeet-tdt-0.6b-v2"
 BUNDLED = "whisper-base"
 WHISPER_NAMES = ("whisper-base",)
-PROBE_TIMEOUT_S = 2.0
-_NONE = RegistryEntry("", "", "", "")
 WHISPER_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 
 
@@ -29,18 +25,6 @@ def is_whisper_path(model: str) -> bool:
     if p.is_dir():
         return (p / "model.bin").is_file() or (p / "model.safetensors").is_file()
     return p.suffix in WHISPER_SUFFIXES and p.is_file()
-
-
-def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether the Hugging Face endpoint accepts a TCP connection within `timeout_s`."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def choose_model(model: str | None) -> str:
@@ -69,14 +53,15 @@ def choose_model(model: str | None) -> str:
 def load_engine(model: str | None, device: str = "auto"):
     """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`."""
     name = choose_model(model)
-    if name in WHISPER_NAMES or is_whisper_path(name) or REGISTRY.get(name, _NONE).family == "whisper":
+    entry = REGISTRY.get(name)
+    if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine
 
-        if name in WHISPER_NAMES:
-            return WhisperEngine.load(name, device)
-        path = resolve_checkpoint(name, offline=None if hub_reachable() else True) if name in REGISTRY else Path(name)
-        return WhisperEngine.load_path(path, device, name=name)
+        return WhisperEngine.load(name, device)
+    if is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
+        from engines.whisper_engine import WhisperEngine
+
+        return WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name)
     from engines.parakeet import ParakeetEngine
 
-    path = resolve_checkpoint(name, offline=None if hub_reachable() else True)
-    return ParakeetEngine.from_nemo(path, device, name=name)
+    return ParakeetEngine.from_nemo(resolve_checkpoint(name), device, name=name)

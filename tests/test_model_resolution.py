@@ -119,3 +119,28 @@ def test_whisper_registry_name_loads_hf_safetensors_from_the_cache(hf_cache, tmp
     assert engine.frontend.n_mels == 128
     (r,) = engine.transcribe([np.zeros(16000, dtype=np.float32)])
     assert isinstance(r.text, str)
+
+
+@needs_shared
+def test_network_is_probed_only_on_a_cache_miss(hf_cache, monkeypatch):
+    """A local .nemo and a cached registry model load without any connection attempt, even
+    with offline mode off; a cache miss with the hub unreachable fails at once, clearly."""
+    import engines.checkpoint as ck
+    from engines.loader import load_engine
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    attempts = []
+
+    def refuse(address, timeout=None):
+        attempts.append(address)
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(ck.socket, "create_connection", refuse)
+    nemo = NEMO_REF / "tdt_tiny" / "model.nemo"
+    assert load_engine(str(nemo), "cpu").name == str(nemo)
+    fill_cache(hf_cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", nemo)
+    assert load_engine("parakeet-tdt-0.6b-v2", "cpu").name == "parakeet-tdt-0.6b-v2"
+    assert attempts == []
+    with pytest.raises(CheckpointError, match="not in the Hugging Face cache and the hub is unreachable"):
+        resolve_checkpoint("parakeet-tdt-0.6b-v3")
+    assert len(attempts) == 1
