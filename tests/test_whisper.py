@@ -11,8 +11,8 @@ from engines.whisper_decoding import DecodeOptions, GreedyDecoder, _Rules, compr
 from engines.whisper_tokenizer import WhisperTokenizer, load_tokenizer
 from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
 from conftest import SPEECH
-from transcribe.whisper_features import (N_FRAMES, FeatureConfig, _hz_to_mel, _mel_to_hz,
-                                         log_mel_spectrogram, mel_filterbank)
+from transcribe.features import _hz_to_mel, _mel_to_hz
+from transcribe.whisper_features import N_FRAMES, FeatureConfig, log_mel_spectrogram, mel_filterbank
 
 
 def reference_log_mel(audio: np.ndarray, n_mels: int) -> np.ndarray:

@@ -15,6 +15,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from transcribe import features as mel
+
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP_LENGTH = 160
@@ -35,42 +37,12 @@ class FeatureConfig:
             raise ValueError(f"n_mels must be 80 or 128, got n_mels={self.n_mels!r}")
 
 
-def _hz_to_mel(f: np.ndarray) -> np.ndarray:
-    """Slaney mel scale: linear below 1 kHz (3 mels per 200 Hz), logarithmic above."""
-    f = np.asarray(f, dtype=np.float64)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, logstep = min_log_hz / f_sp, np.log(6.4) / 27.0
-    lin = f / f_sp
-    log = min_log_mel + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep
-    return np.where(f >= min_log_hz, log, lin)
-
-
-def _mel_to_hz(m: np.ndarray) -> np.ndarray:
-    """Inverse of `_hz_to_mel`."""
-    m = np.asarray(m, dtype=np.float64)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, logstep = min_log_hz / f_sp, np.log(6.4) / 27.0
-    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
-
-
 @lru_cache(maxsize=4)
 def mel_filterbank(n_mels: int, sr: int = SAMPLE_RATE, n_fft: int = N_FFT) -> np.ndarray:
-    """Slaney-normalised triangular mel filters, shape [n_mels, n_fft // 2 + 1], float32.
-
-    Same construction as librosa.filters.mel(htk=False, norm="slaney", fmin=0, fmax=sr/2),
-    which is what Whisper's bundled `mel_filters.npz` was made with.
-    """
-    fft_freqs = np.linspace(0.0, sr / 2, n_fft // 2 + 1)
-    mel_pts = np.linspace(_hz_to_mel(0.0), _hz_to_mel(sr / 2), n_mels + 2)
-    hz_pts = _mel_to_hz(mel_pts)
-    widths = np.diff(hz_pts)
-    ramps = hz_pts[:, None] - fft_freqs[None, :]
-    lower = -ramps[:-2] / widths[:-1, None]
-    upper = ramps[2:] / widths[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper))
-    # Area normalisation: each triangle integrates to ~1 over Hz, so wide bands are not louder.
-    weights *= (2.0 / (hz_pts[2:] - hz_pts[:-2]))[:, None]
-    out = weights.astype(np.float32)
+    """Slaney-normalised triangular mel filters, shape [n_mels, n_fft // 2 + 1], float32: the
+    librosa.filters.mel(htk=False, norm="slaney", fmin=0, fmax=sr/2) construction Whisper's
+    bundled `mel_filters.npz` was made with (the same function NeMo's front end uses)."""
+    out = mel.mel_filterbank(sr, n_fft, n_mels, 0.0, sr / 2, "slaney").numpy()
     out.setflags(write=False)  # cached and shared: callers must not modify it
     return out
 
