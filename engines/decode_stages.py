@@ -81,6 +81,7 @@ class DecodeBuffers:
     def __init__(self, max_batch: int, max_frames: int, cfg: "TransducerConfig", joint_hidden: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.max_batch, self.max_frames = max_batch, max_frames
+        self.max_symbols = cfg.max_symbols
         self.capacity = max_frames * cfg.max_symbols + 1
         long = dict(dtype=torch.long, device=device)
         self.vectors = {k: torch.zeros(max_batch, **long) for k in _LONG_FIELDS}
@@ -95,6 +96,37 @@ class DecodeBuffers:
         return batch <= self.max_batch and frames <= self.max_frames
 
 
+def state_view(buffers: DecodeBuffers, enc_proj: torch.Tensor) -> DecodeState:
+    """A DecodeState over the first B rows (and the columns T frames need) of `buffers`; writes
+    nothing. Graph modes pass the whole static buffers, so every address stays fixed."""
+    B, T, _ = enc_proj.shape
+    capacity = T * buffers.max_symbols + 1  # at most max_symbols tokens per frame
+    v = {k: t[:B] for k, t in buffers.vectors.items()}
+    out_bufs = {k: t[:B, :capacity] for k, t in buffers.outputs.items()}
+    return DecodeState(enc_proj=enc_proj, duration_table=buffers.duration_table, pred_out=buffers.pred_out[:B],
+                       h=buffers.h[:, :B], c=buffers.c[:, :B], **v, **out_bufs)
+
+
+def reset_state(state: DecodeState, lengths: torch.Tensor, prediction: "PredictionNetwork", joint: "Joint",
+                cfg: "TransducerConfig") -> None:
+    """Start decoding: clear the state in place and prime the prediction network with the blank
+    (SOS) symbol. Capture-safe (no host sync, fixed shapes): graph modes capture it."""
+    for name in (*_LONG_FIELDS, *_BOOL_FIELDS, *_OUTPUT_FIELDS):
+        getattr(state, name).zero_()
+    state.lengths.copy_(lengths)
+    torch.clamp(state.lengths - 1, min=0, out=state.last_frame)
+    torch.arange(state.batch_idx.shape[0], out=state.batch_idx)
+    state.labels.fill_(cfg.blank_id)
+    state.last_emit_frame.fill_(-1)
+    torch.greater(state.lengths, 0, out=state.active)
+    state.h.zero_()
+    state.c.zero_()
+    out, (h1, c1) = prediction.step(state.labels, (state.h, state.c))
+    state.h.copy_(h1)
+    state.c.copy_(c1)
+    state.pred_out.copy_(joint.pred(out))
+
+
 def init_state(enc_proj: torch.Tensor, lengths: torch.Tensor, prediction: "PredictionNetwork",
                joint: "Joint", cfg: "TransducerConfig", buffers: DecodeBuffers | None = None) -> DecodeState:
     """Set up the state (in `buffers` when they fit, else freshly allocated) and prime the
@@ -102,26 +134,9 @@ def init_state(enc_proj: torch.Tensor, lengths: torch.Tensor, prediction: "Predi
     B, T, J = enc_proj.shape
     if buffers is None or not buffers.fits(B, T):
         buffers = DecodeBuffers(B, T, cfg, J, enc_proj.dtype, enc_proj.device)
-    v = {k: t[:B] for k, t in buffers.vectors.items()}
-    capacity = T * cfg.max_symbols + 1  # at most max_symbols tokens per frame
-    out_bufs = {k: t[:B, :capacity] for k, t in buffers.outputs.items()}
-    for t in (*v.values(), *out_bufs.values()):
-        t.zero_()
-    v["lengths"].copy_(lengths)
-    torch.clamp(v["lengths"] - 1, min=0, out=v["last_frame"])
-    torch.arange(B, out=v["batch_idx"])
-    v["labels"].fill_(cfg.blank_id)
-    v["last_emit_frame"].fill_(-1)
-    torch.greater(v["lengths"], 0, out=v["active"])
-    h, c, pred_out = buffers.h[:, :B], buffers.c[:, :B], buffers.pred_out[:B]
-    h.zero_()
-    c.zero_()
-    out, (h1, c1) = prediction.step(v["labels"], (h, c))
-    h.copy_(h1)
-    c.copy_(c1)
-    pred_out.copy_(joint.pred(out))
-    return DecodeState(enc_proj=enc_proj, duration_table=buffers.duration_table, pred_out=pred_out, h=h, c=c,
-                       **v, **out_bufs)
+    state = state_view(buffers, enc_proj)
+    reset_state(state, lengths, prediction, joint, cfg)
+    return state
 
 
 def _joint_step(state: DecodeState, joint: "Joint", cfg: "TransducerConfig"
@@ -228,14 +243,16 @@ def run_label_looping(state: DecodeState, prediction: "PredictionNetwork", joint
         stage_force_blank(state, cfg)
 
 
-def collect(state: DecodeState, with_durations: bool) -> list[Hypothesis]:
-    """Copy the output buffers to Python lists (one device->host transfer per buffer)."""
-    counts = state.count.cpu().tolist()
-    tokens, frames, durations = state.tokens.cpu(), state.frames.cpu(), state.durations.cpu()
+def collect(state: DecodeState, with_durations: bool, batch: int | None = None) -> list[Hypothesis]:
+    """Copy the first `batch` rows (default all) of the output buffers to Python lists: the counts
+    first, then only the columns the longest hypothesis uses (one transfer per buffer)."""
+    counts = state.count[:batch].cpu().tolist()
+    n = max(counts, default=0)
+    tokens, frames, durations = (t[:batch, :n].cpu() for t in (state.tokens, state.frames, state.durations))
     return [
-        Hypothesis(tokens[b, :n].tolist(), frames[b, :n].tolist(),
-                   durations[b, :n].tolist() if with_durations else [])
-        for b, n in enumerate(counts)
+        Hypothesis(tokens[b, :k].tolist(), frames[b, :k].tolist(),
+                   durations[b, :k].tolist() if with_durations else [])
+        for b, k in enumerate(counts)
     ]
 
 

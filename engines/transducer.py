@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from engines.checkpoint import sub_state_dict
+from engines.cpu_threads import decoder_threads
 from engines.ctc import CTCHead, ctc_config_from_nemo, greedy_ctc
+from engines.decode_graphs import DecodeMode, GraphDecoder
 from engines.decode_stages import DecodeBuffers, Hypothesis, label_looping_decode
 
 SUPPORTED_TARGETS = ("EncDecRNNTBPEModel", "EncDecHybridRNNTCTCBPEModel")
@@ -202,6 +204,7 @@ class TransducerDecoder:
         self.joint = joint
         self.ctc_head = ctc_head
         self.buffers: DecodeBuffers | None = None  # set by reserve(); else allocated per batch
+        self.graphs = GraphDecoder(prediction, joint, config)  # eager until set_mode() picks a mode
 
     @classmethod
     def from_archive(cls, archive: Any, state_dict: dict[str, torch.Tensor] | None = None) -> "TransducerDecoder":
@@ -231,13 +234,27 @@ class TransducerDecoder:
         if encoder_out.dim() != 3 or encoder_out.shape[1] != self.config.enc_hidden:
             raise ValueError(f"encoder_out must be [B, {self.config.enc_hidden}, T], got {tuple(encoder_out.shape)}")
         enc_proj = self.joint.enc(encoder_out.transpose(1, 2))  # projected once: [B, T, J]
-        return label_looping_decode(enc_proj, lengths.to(enc_proj.device), self.prediction, self.joint, self.config,
-                                    self.buffers)
+        lengths = lengths.to(enc_proj.device)
+        if self.graphs.mode is not DecodeMode.EAGER:
+            return self.graphs.decode(enc_proj, lengths, self.buffers)
+        with decoder_threads(enc_proj.device):
+            return label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.config, self.buffers)
+
+    @property
+    def mode(self) -> str:
+        """The decoder mode in use: "full-graph", "unrolled" or "eager"."""
+        return self.graphs.mode.value
+
+    def set_mode(self, requested: str = "auto") -> str:
+        """Choose the decoder mode ("auto", "full-graph", "unrolled", "eager") for the device the
+        modules are on (call after `to()`); a fallback is logged once. Returns the mode chosen."""
+        return self.graphs.set_mode(requested, self.joint.pred.weight.device).value
 
     def reserve(self, max_batch: int, max_frames: int) -> None:
         """Preallocate the decoding state for batches up to [max_batch, max_frames] (startup)."""
         w = self.joint.pred.weight
         self.buffers = DecodeBuffers(max_batch, max_frames, self.config, w.shape[0], w.dtype, w.device)
+        self.graphs.reserve(max_batch, max_frames)
 
     @torch.inference_mode()
     def ctc_log_probs(self, encoder_out: torch.Tensor) -> torch.Tensor:

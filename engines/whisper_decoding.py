@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engines.cpu_threads import decoder_threads
 from engines.whisper import Whisper
 from engines.whisper_tokenizer import TIME_PRECISION, WhisperTokenizer
 
@@ -147,13 +148,8 @@ class GreedyDecoder:
     def decode(self, mel: Tensor) -> list[WindowResult]:
         """mel: [B, n_mels, 3000] -> one WindowResult per window (same order)."""
         audio = self.model.encoder(mel.to(self.device, self.model.decoder.embed.weight.dtype))
-        threads = torch.get_num_threads()
-        if self.opts.decoder_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(self.opts.decoder_threads)
-        try:
+        with decoder_threads(self.device, self.opts.decoder_threads):
             return self._greedy(audio)
-        finally:
-            torch.set_num_threads(threads)
 
     def _greedy(self, audio: Tensor) -> list[WindowResult]:
         """audio: encoder states [B, n_audio_ctx, d] -> results (cross K/V projected once)."""

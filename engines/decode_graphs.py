@@ -1,0 +1,298 @@
+"""Decoder modes over the label-looping stages of `decode_stages.py`: state, capture, fallbacks.
+
+- full-graph: the whole loop is ONE CUDA graph; the outer loop (any item active) and the inner
+  loop (any item still on blank) are conditional WHILE nodes (`cuda_conditional.py`).
+- unrolled: four graphs (before the loop / outer-loop head / inner-loop body / after the inner
+  loop) replayed from the CPU, which reads the loop flags through a pinned buffer + event.
+- eager: `run_label_looping`, no graphs (the only mode on CPU).
+
+Graph modes run over static buffers sized (max_batch, max_frames): each batch is copied in,
+rows past it get length 0 (inactive from the first step), and a larger batch regrows the
+buffers and recaptures, in one graph memory pool. The four pieces call the same stage
+functions as eager mode and add only `torch.any(..., out=flag)`, so every mode emits the same
+tokens. A failed capture falls back to the next mode (full-graph -> unrolled -> eager), logged.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from engines import cuda_conditional
+from engines.cuda_conditional import CudaPythonError
+from engines.decode_stages import (DecodeBuffers, Hypothesis, collect, reset_state, stage_first_joint,
+                                   label_looping_decode, stage_force_blank, stage_inner_joint, stage_predict,
+                                   stage_store, state_view)
+
+if TYPE_CHECKING:
+    from engines.transducer import Joint, PredictionNetwork, TransducerConfig
+
+log = logging.getLogger("transcribe")
+
+FRAME_QUANTUM = 64  # static frames grow in steps of 64 encoder frames (~5 s at 80 ms): few recaptures
+WARMUP_RUNS = 2  # eager runs before capture, so cuBLAS/cuDNN set up their handles outside it
+_CAPTURE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, CudaPythonError)
+
+
+class DecodeMode(str, Enum):
+    AUTO = "auto"
+    FULL_GRAPH = "full-graph"
+    UNROLLED = "unrolled"
+    EAGER = "eager"
+
+
+_NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: DecodeMode.EAGER}
+
+
+def full_graph_unsupported() -> str | None:
+    """Why the full-graph mode cannot run on this CUDA setup, or None."""
+    try:
+        api = cuda_conditional.import_cuda_python()
+    except ImportError as e:
+        return str(e)
+    return cuda_conditional.unsupported_reason(api)
+
+
+def select_mode(requested: str | DecodeMode, device: torch.device | str) -> tuple[DecodeMode, str]:
+    """(mode to use, why). "auto" = the best the device supports; a graph mode that cannot run
+    here degrades to the best one that can. Raises ValueError for an unknown mode name."""
+    req = DecodeMode(requested)
+    if torch.device(device).type != "cuda":
+        return DecodeMode.EAGER, f"device is {torch.device(device).type}"
+    if req in (DecodeMode.EAGER, DecodeMode.UNROLLED):
+        return req, "requested"
+    reason = full_graph_unsupported()
+    if reason is None:
+        return DecodeMode.FULL_GRAPH, "conditional nodes are supported"
+    return DecodeMode.UNROLLED, reason
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """The loop cut where the host (unrolled) or a while node (full-graph) decides what runs next.
+    Flags are 0-dim bool tensors on the decoding device, rewritten by the pieces."""
+
+    before: Callable[[], None]  # reset the state; active_any
+    head: Callable[[], None]  # stage 1.1; advance_any
+    inner: Callable[[], None]  # stage 1.2; advance_any
+    after: Callable[[], None]  # stages 2-4; active_any
+    active_any: torch.Tensor
+    advance_any: torch.Tensor
+
+
+class StaticState:
+    """Static inputs, decoding state and pieces for batches up to [max_batch, max_frames]."""
+
+    def __init__(self, prediction: "PredictionNetwork", joint: "Joint", cfg: "TransducerConfig",
+                 max_batch: int, max_frames: int, dtype: torch.dtype, device: torch.device):
+        self.max_batch, self.max_frames, self.cfg = max_batch, max_frames, cfg
+        J = joint.pred.weight.shape[0]
+        self.enc_in = torch.zeros(max_batch, max_frames, J, dtype=dtype, device=device)
+        self.len_in = torch.zeros(max_batch, dtype=torch.long, device=device)
+        buffers = DecodeBuffers(max_batch, max_frames, cfg, J, dtype, device)
+        self.state = state = state_view(buffers, self.enc_in)
+        active_any = torch.zeros((), dtype=torch.bool, device=device)
+        advance_any = torch.zeros((), dtype=torch.bool, device=device)
+
+        def before() -> None:
+            reset_state(state, self.len_in, prediction, joint, cfg)
+            torch.any(state.active, out=active_any)
+
+        def head() -> None:
+            stage_first_joint(state, joint, cfg)
+            torch.any(state.advance, out=advance_any)
+
+        def inner() -> None:
+            stage_inner_joint(state, joint, cfg)
+            torch.any(state.advance, out=advance_any)
+
+        def after() -> None:
+            stage_store(state, cfg)
+            stage_predict(state, prediction, joint)
+            stage_force_blank(state, cfg)
+            torch.any(state.active, out=active_any)
+
+        self.pieces = Pieces(before, head, inner, after, active_any, advance_any)
+
+    def fits(self, batch: int, frames: int) -> bool:
+        return batch <= self.max_batch and frames <= self.max_frames
+
+    def load(self, enc_proj: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Copy a batch in; frames past T of a row are never read (gathers stop at length - 1)."""
+        B, T, _ = enc_proj.shape
+        self.enc_in[:B, :T].copy_(enc_proj)
+        self.len_in[:B].copy_(lengths)
+        self.len_in[B:].zero_()  # padding rows: length 0 = inactive from the start
+
+    def result(self, batch: int) -> list[Hypothesis]:
+        return collect(self.state, with_durations=self.cfg.is_tdt, batch=batch)
+
+
+def run_direct(p: Pieces) -> None:
+    """The unrolled driver with "replay" = call: what the graphs run, runnable on CPU (tests)."""
+    p.before()
+    while bool(p.active_any):
+        p.head()
+        while bool(p.advance_any):
+            p.inner()
+        p.after()
+
+
+class DirectRunner:
+    def __init__(self, static: StaticState, pool: object):
+        self.static = static
+
+    def run(self) -> None:
+        run_direct(self.static.pieces)
+
+
+def _warm_up(p: Pieces, device: torch.device) -> None:
+    """Run every piece eagerly on a side stream (inputs are all length 0, so nothing decodes)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_RUNS):
+            for piece in (p.before, p.head, p.inner, p.after):
+                piece()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+
+class UnrolledRunner:
+    """Four graphs; the host loop reads each flag through one pinned byte and an event (no
+    `.item()` on a CUDA tensor, which would add a synchronous copy per step)."""
+
+    def __init__(self, static: StaticState, pool: object):
+        p, device = static.pieces, static.enc_in.device
+        _warm_up(p, device)
+        self.graphs = {name: torch.cuda.CUDAGraph() for name in ("before", "head", "inner", "after")}
+        stream = torch.cuda.Stream(device)  # capture never runs on the default stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for name, graph in self.graphs.items():
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                getattr(p, name)()
+        self.flags = p
+        self.host_flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
+        self.event = torch.cuda.Event()
+
+    def _flag(self, flag: torch.Tensor) -> bool:
+        self.host_flag.copy_(flag, non_blocking=True)
+        self.event.record()
+        self.event.synchronize()  # waits for this copy only, not for the whole device
+        return bool(self.host_flag)
+
+    def run(self) -> None:
+        g = self.graphs
+        g["before"].replay()
+        while self._flag(self.flags.active_any):
+            g["head"].replay()
+            while self._flag(self.flags.advance_any):
+                g["inner"].replay()
+            g["after"].replay()
+
+
+class FullGraphRunner:
+    """One graph: before, then `while active_any: head; while advance_any: inner; after`."""
+
+    def __init__(self, static: StaticState, pool: object):
+        p, device = static.pieces, static.enc_in.device
+        loops = cuda_conditional.WhileLoops(cuda_conditional.import_cuda_python(), device)
+        _warm_up(p, device)
+        # Allocations inside the while bodies happen on the bodies' own capture streams, which
+        # torch's capture does not route to its pool: this pool (kept with the graph) takes them.
+        self.body_pool = torch.cuda.MemPool()
+        self.graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            p.before()
+            with torch.cuda.use_mem_pool(self.body_pool, device), loops.while_loop(p.active_any):
+                p.head()
+                with loops.while_loop(p.advance_any):
+                    p.inner()
+                p.after()
+        self.loops = loops
+
+    def run(self) -> None:
+        self.graph.replay()
+
+
+_RUNNERS = {DecodeMode.FULL_GRAPH: FullGraphRunner, DecodeMode.UNROLLED: UnrolledRunner}
+
+
+class GraphDecoder:
+    """Mode selection, static state, capture and fallback for one TransducerDecoder.
+    `capture=False` drives the static pieces directly (CPU tests of what graphs would run)."""
+
+    def __init__(self, prediction: "PredictionNetwork", joint: "Joint", cfg: "TransducerConfig",
+                 mode: DecodeMode = DecodeMode.EAGER, capture: bool = True):
+        self.prediction, self.joint, self.cfg = prediction, joint, cfg
+        self.mode, self.capture = mode, capture
+        self.min_batch, self.min_frames = 1, FRAME_QUANTUM
+        self.static: StaticState | None = None
+        self.runner: DirectRunner | UnrolledRunner | FullGraphRunner | None = None
+        self.pool: object | None = None
+        self.captures = 0  # how many times the buffers were (re)built and captured
+        self._logged: set[str] = set()
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning(message)
+
+    def set_mode(self, requested: str | DecodeMode, device: torch.device | str) -> DecodeMode:
+        mode, reason = select_mode(requested, device)
+        req = DecodeMode(requested)
+        best = req if req is not DecodeMode.AUTO else DecodeMode.FULL_GRAPH
+        cpu_auto = req is DecodeMode.AUTO and torch.device(device).type != "cuda"  # eager IS the best there
+        if mode is not best and not cpu_auto:
+            self._log_once(f"decoder mode {mode.value} (requested {req.value}): {reason}")
+        if mode is not self.mode:
+            self.static = self.runner = None
+        self.mode = mode
+        return mode
+
+    def reserve(self, max_batch: int, max_frames: int) -> None:
+        """Smallest static size to build (at the first graph-mode decode)."""
+        self.min_batch, self.min_frames = max(1, max_batch), max(1, max_frames)
+
+    def decode(self, enc_proj: torch.Tensor, lengths: torch.Tensor, buffers: DecodeBuffers | None = None
+               ) -> list[Hypothesis]:
+        """enc_proj [B, T, J] on the decoding device, lengths [B] there too -> B hypotheses."""
+        B, T, _ = enc_proj.shape
+        if self.mode is not DecodeMode.EAGER and (self.static is None or not self.static.fits(B, T)):
+            self._build(B, T, enc_proj.dtype, enc_proj.device)
+        if self.static is None or self.runner is None:  # eager, chosen or fallen back to
+            return label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.cfg, buffers)
+        self.static.load(enc_proj, lengths)
+        self.runner.run()
+        return self.static.result(B)
+
+    def _build(self, batch: int, frames: int, dtype: torch.dtype, device: torch.device) -> None:
+        old = self.static
+        max_batch = max(batch, self.min_batch, old.max_batch if old else 0)
+        need = max(frames, self.min_frames, old.max_frames if old else 0)
+        max_frames = -(-need // FRAME_QUANTUM) * FRAME_QUANTUM
+        self.static = self.runner = None  # drop old graphs first: their pool memory is reused
+        while True:
+            static = StaticState(self.prediction, self.joint, self.cfg, max_batch, max_frames, dtype, device)
+            if not self.capture:
+                self.static, self.runner = static, DirectRunner(static, None)
+                break
+            if self.pool is None and device.type == "cuda":  # one pool for every capture
+                self.pool = torch.cuda.graph_pool_handle()
+            try:
+                self.runner = _RUNNERS[self.mode](static, self.pool)
+            except _CAPTURE_ERRORS as e:
+                nxt = _NEXT[self.mode]
+                self._log_once(f"decoder mode {self.mode.value} capture failed ({e}); falling back to {nxt.value}")
+                self.mode = nxt
+                if nxt is DecodeMode.EAGER:
+                    return
+                continue
+            self.static = static
+            break
+        self.captures += 1

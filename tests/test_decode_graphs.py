@@ -1,0 +1,212 @@
+"""Decoder modes (engines/decode_graphs.py): the static-shape driver the graphs capture, run on
+CPU without capture, equals eager decoding; mode selection and fallbacks; GPU modes (gpu marker)."""
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import pytest
+import torch
+
+from conftest import NEMO_REF, OFFLINE_VARIANTS, Reference, needs_shared
+from engines import cuda_conditional, decode_graphs
+from engines.checkpoint import NemoArchive
+from engines.decode_graphs import DecodeMode, GraphDecoder, select_mode
+from engines.decode_stages import label_looping_decode
+from engines.transducer import TransducerDecoder
+
+
+@lru_cache(maxsize=None)
+def decoder_for(variant: str) -> TransducerDecoder:
+    return TransducerDecoder.from_archive(NemoArchive(NEMO_REF / variant / "model.nemo"))
+
+
+def projected_batch(dec: TransducerDecoder, ref: Reference, files: list[int], pad: int = 0,
+                    device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """enc_proj [B, T, J] of the fixture's NeMo encoder outputs (zero-padded), lengths [B]."""
+    encs = [torch.from_numpy(ref.array("encoder", i)) for i in files]
+    batch = torch.zeros(len(encs), encs[0].shape[0], max(e.shape[1] for e in encs) + pad)
+    for row, e in enumerate(encs):
+        batch[row, :, : e.shape[1]] = e
+    with torch.inference_mode():
+        enc_proj = dec.joint.enc(batch.to(device).transpose(1, 2))
+    return enc_proj, torch.tensor([e.shape[1] for e in encs], device=device)
+
+
+def eager(dec: TransducerDecoder, enc_proj: torch.Tensor, lengths: torch.Tensor):
+    with torch.inference_mode():
+        return label_looping_decode(enc_proj, lengths, dec.prediction, dec.joint, dec.config)
+
+
+@needs_shared
+@pytest.mark.parametrize("variant", OFFLINE_VARIANTS)
+def test_static_driver_equals_eager_with_padding_rows_and_regrow(variant):
+    ref, dec = Reference(variant), decoder_for(variant)
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.UNROLLED, capture=False)
+    graphs.reserve(1, 1)
+    # (files, extra padded frames): fits -> fewer rows (padding) -> regrow -> small again (stale rows)
+    plan = [([2, 3], 0), ([4], 0), (list(range(len(ref.files))), 9), ([5, 2], 0)]
+    sizes = []
+    for files, pad in plan:
+        enc_proj, lengths = projected_batch(dec, ref, files, pad)
+        with torch.inference_mode():
+            got = graphs.decode(enc_proj, lengths)
+        sizes.append((graphs.static.max_batch, graphs.static.max_frames))
+        assert got == eager(dec, enc_proj, lengths), f"{variant} files {files}"
+        for hyp, i in zip(got, files):
+            assert hyp.tokens == ref.files[i]["tokens"], f"{variant} file {i}"
+            assert hyp.frames == ref.array("token_frames", i).tolist(), f"{variant} file {i}"
+            assert len(hyp.durations) == (len(hyp.tokens) if dec.config.is_tdt else 0)
+    assert sizes == [(2, 64), (2, 64), (8, 256), (8, 256)]  # frames grow in FRAME_QUANTUM steps
+    assert graphs.captures == 2
+
+
+@needs_shared
+def test_padding_rows_never_emit():
+    ref, dec = Reference("tdt_tiny"), decoder_for("tdt_tiny")
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.FULL_GRAPH, capture=False)
+    graphs.reserve(4, 200)
+    enc_proj, lengths = projected_batch(dec, ref, [0, 1, 6, 7])
+    with torch.inference_mode():
+        graphs.decode(enc_proj, lengths)
+        one = projected_batch(dec, ref, [3])
+        assert graphs.decode(*one) == eager(dec, *one)
+    state = graphs.static.state
+    assert state.count[1:].tolist() == [0, 0, 0]  # rows 1-3 held a longer batch before: length 0 now
+    assert not state.active.any()
+
+
+def test_select_mode_on_cpu_and_unknown_name():
+    assert select_mode("auto", "cpu") == (DecodeMode.EAGER, "device is cpu")
+    assert select_mode("full-graph", torch.device("cpu"))[0] is DecodeMode.EAGER
+    assert select_mode("eager", "cuda") == (DecodeMode.EAGER, "requested")
+    assert select_mode("unrolled", "cuda") == (DecodeMode.UNROLLED, "requested")
+    with pytest.raises(ValueError):
+        select_mode("fast", "cpu")
+
+
+def _missing_cuda_python():
+    raise ImportError(f"cuda-python is not installed: {cuda_conditional.INSTALL_HINT}")
+
+
+def test_missing_cuda_python_selects_unrolled_naming_the_extra(monkeypatch, caplog):
+    monkeypatch.setattr(cuda_conditional, "import_cuda_python", _missing_cuda_python)
+    mode, reason = select_mode("auto", "cuda")
+    assert mode is DecodeMode.UNROLLED
+    assert "cuda-python" in reason and "transcribe[cuda]" in reason
+    graphs = GraphDecoder(None, None, None)  # selection alone touches no module
+    with caplog.at_level(logging.WARNING, logger="transcribe"):
+        for _ in range(3):
+            assert graphs.set_mode("full-graph", "cuda") is DecodeMode.UNROLLED
+    lines = [r for r in caplog.records if r.name == "transcribe"]
+    assert len(lines) == 1 and "transcribe[cuda]" in lines[0].getMessage()
+
+
+def test_old_cuda_python_is_a_reason():
+    api = cuda_conditional.CudaPython(None, None, None, (12, 3))
+    assert "12.3 < 12.4" in cuda_conditional.unsupported_reason(api)
+    assert not api.edge_data and cuda_conditional.CudaPython(None, None, None, (13, 0)).edge_data
+    assert cuda_conditional._major_minor("12.6.2") == (12, 6)
+    assert cuda_conditional._major_minor("13.0.1rc1") == (13, 0)
+
+
+@needs_shared
+def test_transducer_decoder_modes_on_cpu(caplog):
+    dec = TransducerDecoder(decoder_for("rnnt_tiny").config, decoder_for("rnnt_tiny").prediction,
+                            decoder_for("rnnt_tiny").joint)
+    assert dec.mode == "eager"  # without set_mode: exactly the old path
+    with caplog.at_level(logging.WARNING, logger="transcribe"):
+        assert dec.set_mode() == "eager"
+        assert dec.set_mode("unrolled") == "eager"
+        assert dec.set_mode("eager") == "eager"
+    messages = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
+    # "auto" on the CPU is not a fallback (eager is the best there): only the explicit request logs.
+    assert messages == ["decoder mode eager (requested unrolled): device is cpu"]
+    assert dec.mode == "eager"
+
+
+class _FailingRunner:
+    def __init__(self, static, pool):
+        raise RuntimeError("capture is not permitted here")
+
+
+@needs_shared
+def test_capture_failure_falls_back_once(monkeypatch, caplog):
+    ref, dec = Reference("rnnt_tiny"), decoder_for("rnnt_tiny")
+    monkeypatch.setitem(decode_graphs._RUNNERS, DecodeMode.FULL_GRAPH, _FailingRunner)
+    monkeypatch.setitem(decode_graphs._RUNNERS, DecodeMode.UNROLLED, decode_graphs.DirectRunner)
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.FULL_GRAPH)
+    enc_proj, lengths = projected_batch(dec, ref, [0, 3])
+    with caplog.at_level(logging.WARNING, logger="transcribe"), torch.inference_mode():
+        assert graphs.decode(enc_proj, lengths) == eager(dec, enc_proj, lengths)
+    assert graphs.mode is DecodeMode.UNROLLED
+    lines = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
+    assert lines == ["decoder mode full-graph capture failed (capture is not permitted here); falling back to unrolled"]
+    # a failing unrolled capture ends in eager, still decoding correctly
+    monkeypatch.setitem(decode_graphs._RUNNERS, DecodeMode.UNROLLED, _FailingRunner)
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.UNROLLED)
+    with torch.inference_mode():
+        assert graphs.decode(enc_proj, lengths) == eager(dec, enc_proj, lengths)
+    assert graphs.mode is DecodeMode.EAGER and graphs.static is None
+
+
+# ---- GPU: real capture and replay -------------------------------------------------------------
+
+def _cuda_decoder(variant: str) -> TransducerDecoder:
+    """A fresh decoder moved to CUDA (the cached CPU ones stay on CPU)."""
+    return TransducerDecoder.from_archive(NemoArchive(NEMO_REF / variant / "model.nemo")).to("cuda")
+
+
+@pytest.mark.gpu
+@needs_shared
+@pytest.mark.parametrize("variant", OFFLINE_VARIANTS)
+@pytest.mark.parametrize("mode", ["full-graph", "unrolled"])
+def test_gpu_modes_equal_eager(variant, mode):
+    if mode == "full-graph" and (why := decode_graphs.full_graph_unsupported()) is not None:
+        pytest.skip(f"full-graph unavailable: {why}")
+    ref, dec = Reference(variant), _cuda_decoder(variant)
+    assert dec.set_mode(mode) == mode
+    dec.graphs.reserve(2, 1)
+    plan = [([2, 3], 0), ([4], 0), (list(range(len(ref.files))), 9), ([5, 2], 0)]
+    for files, pad in plan:
+        enc_proj, lengths = projected_batch(dec, ref, files, pad, device="cuda")
+        with torch.inference_mode():
+            got = dec.graphs.decode(enc_proj, lengths)
+        assert dec.mode == mode, "no fallback expected"
+        assert got == eager(dec, enc_proj, lengths), f"{variant} {mode} files {files}"
+    assert dec.graphs.captures == 2
+    # and through the public entry point (encoder layout [B, D, T])
+    encs = [torch.from_numpy(ref.array("encoder", i)) for i in (0, 1)]
+    raw = torch.zeros(2, dec.config.enc_hidden, max(e.shape[1] for e in encs))
+    for row, e in enumerate(encs):
+        raw[row, :, : e.shape[1]] = e
+    lengths = torch.tensor([e.shape[1] for e in encs])
+    assert dec.decode(raw.cuda(), lengths) == _cuda_decoder(variant).decode(raw.cuda(), lengths)
+
+
+@pytest.mark.gpu
+@needs_shared
+def test_gpu_full_graph_capture_failure_falls_back_to_unrolled(monkeypatch, caplog):
+    if (why := decode_graphs.full_graph_unsupported()) is not None:
+        pytest.skip(f"full-graph unavailable: {why}")
+
+    def broken_while_loop(self, flag):
+        raise cuda_conditional.CudaPythonError("simulated conditional-node failure")
+
+    monkeypatch.setattr(cuda_conditional.WhileLoops, "while_loop", broken_while_loop)
+    ref, dec = Reference("tdt_tiny"), _cuda_decoder("tdt_tiny")
+    assert dec.set_mode("auto") == "full-graph"
+    enc_proj, lengths = projected_batch(dec, ref, [0, 1, 2], device="cuda")
+    with caplog.at_level(logging.WARNING, logger="transcribe"), torch.inference_mode():
+        got = dec.graphs.decode(enc_proj, lengths)
+    assert dec.mode == "unrolled"
+    assert got == eager(dec, enc_proj, lengths)
+    lines = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
+    assert len(lines) == 1 and "simulated conditional-node failure" in lines[0]
+
+
+@pytest.mark.gpu
+def test_gpu_missing_cuda_python_still_decodes_unrolled(monkeypatch):
+    monkeypatch.setattr(cuda_conditional, "import_cuda_python", _missing_cuda_python)
+    mode, reason = select_mode("auto", "cuda")
+    assert mode is DecodeMode.UNROLLED and "transcribe[cuda]" in reason
