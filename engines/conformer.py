@@ -205,16 +205,21 @@ class ConformerEncoder(nn.Module):
         """Encoder frames for `lengths` feature frames ([B] -> [B] int64)."""
         return subsampled_lengths(lengths, self.cfg.subsampling_factor, self.cfg.causal_downsampling)
 
-    def forward(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, features: Tensor, lengths: Tensor, static: bool = False) -> tuple[Tensor, Tensor]:
         """features: [B, feat_in, T] normalised log-mel; lengths: [B] valid frames.
         Returns ([B, d_model, T'] encodings, [B] int64 valid encoder frames). Frames past a
-        row's length hold unspecified values."""
+        row's length hold unspecified values.
+
+        static=True: no host syncs and no data-dependent branches (lengths are trusted, masks
+        always built), for CUDA-graph capture and torch.compile; the results are the same."""
         if features.dim() != 3 or features.size(1) != self.cfg.feat_in:
             raise ValueError(f"features must be [B, {self.cfg.feat_in}, T], got {list(features.shape)}")
-        if not self.export_mode:
+        static = static or self.export_mode
+        if not static:
             _check_lengths(lengths, features.size(0), features.size(2))
-        # Masks cost time: build them only when some row is shorter than the batch.
-        padded = self.export_mode or bool((lengths < features.size(2)).any())
+        # Masks cost time: build them only when some row is shorter than the batch. Deciding
+        # that reads `lengths` on the host, which a captured graph cannot: static builds them.
+        padded = static or bool((lengths < features.size(2)).any())
         x, lengths = self.pre_encode(features.transpose(1, 2), lengths, masked=padded)
         if self.xscale != 1.0:
             x = x * self.xscale

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,9 @@ import torch
 from engines.checkpoint import NemoArchive, pop_sub_state_dict, sub_state_dict
 from engines.conformer import ConformerEncoder, EncoderConfig
 from engines.ctc import CTCDecoder
+from engines.decode_graphs import DecodeMode
+from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width, make_backend,
+                                     resolve_backend)
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerDecoder
 from transcribe.features import FeatureConfig, LogMel
@@ -26,9 +30,9 @@ from transcribe.timestamps import FrameTiming, build_result
 # Pieces longer than this are cut at pauses by the pipeline: attention memory grows with the
 # square of the length, and Parakeet models were trained on utterances up to about 30-40 s.
 DEFAULT_MAX_PIECE_SECONDS = 40.0
-# Batch length buckets (s): the encoder's shape profiles. Steps of about 1.25x keep padding
-# within a batch small; the last edge is the longest piece.
-BUCKET_EDGES_S = (2.0, 4.0, 6.0, 8.0, 10.0, 12.5, 15.0, 17.5, 20.0, 25.0, 30.0, 35.0, 40.0)
+# Batch length buckets (s): the encoder backend's shape profiles are built on these edges and
+# the engine's bucket_edges_s is read back from the backend (engines/encoder_backend.py).
+BUCKET_EDGES_S = DEFAULT_EDGES_S
 CTC_ONLY_TARGETS = ("EncDecCTCModelBPE", "EncDecCTCModel")
 
 
@@ -79,7 +83,8 @@ class ParakeetEngine:
     """Transcribes batches of 16 kHz float32 pieces with one loaded `.nemo` model."""
 
     def __init__(self, name: str, features: LogMel, encoder: ConformerEncoder, decoder, tokenizer: Tokenizer,
-                 kind: str, timing: FrameTiming, device: str = "cpu"):
+                 kind: str, timing: FrameTiming, device: str = "cpu", encoder_backend: str = "auto",
+                 backend_options: BackendOptions = BackendOptions()):
         self.name = name
         self.device = device
         self.encoder = encoder.to(device)
@@ -89,7 +94,6 @@ class ParakeetEngine:
         self.timing = timing
         self.sample_rate = features.cfg.sample_rate
         self.max_piece_seconds = DEFAULT_MAX_PIECE_SECONDS
-        self.bucket_edges_s = BUCKET_EDGES_S
         # Features are computed per piece on the host (in the preprocessing workers), not here;
         # the engine only pads them into batches as LogMel would.
         self.feature_cfg = features.cfg
@@ -97,12 +101,31 @@ class ParakeetEngine:
                                        self.max_piece_seconds)
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._host: torch.Tensor | None = None  # pinned batch buffer on CUDA, see reserve()
+        # Profiles: per length edge, the batch width of a piece that long (as _batch pads it).
+        self.profiles = feature_profiles(features.cfg, backend_options, BUCKET_EDGES_S)
+        self.encoder_backend = make_backend(resolve_backend(encoder_backend, device), self.encoder, self.profiles,
+                                            features.cfg.pad_value, backend_options)
+        self.bucket_edges_s = self.encoder_backend.bucket_edges_s
+
+    @property
+    def runtime(self) -> str:
+        """How the model runs, for the one-line startup note: encoder backend and decoder mode."""
+        mode = self.decoder.mode if isinstance(self.decoder, TransducerDecoder) and self.kind != "ctc" else "ctc"
+        return f"encoder {self.encoder_backend.name}, decoder {mode}"
 
     @classmethod
     def from_nemo(cls, path: str | Path, device: str = "auto", name: str | None = None,
-                  decoding: str = "auto") -> "ParakeetEngine":
-        """Load a `.nemo` checkpoint. `decoding`: auto (transducer if present), or ctc (hybrids)."""
+                  decoding: str = "auto", encoder_backend: str = "auto",
+                  backend_options: BackendOptions | None = None, decoder_mode: str = "auto") -> "ParakeetEngine":
+        """Load a `.nemo` checkpoint. `decoding`: auto (transducer if present), or ctc (hybrids).
+        `encoder_backend`: auto (cuda-graphs on CUDA, torch on the CPU), torch, compile,
+        cuda-graphs or tensorrt (engines/encoder_backend.py). `decoder_mode`: auto, full-graph,
+        unrolled or eager (engines/decode_graphs.py; a graph mode that cannot run falls back,
+        logged once)."""
         device = pick_device(device)
+        DecodeMode(decoder_mode)  # a bad name fails before the load
+        backend = resolve_backend(encoder_backend, device)  # a bad name fails before the load
+        options = replace(backend_options or BackendOptions(), nemo_path=str(path))
         with NemoArchive(path) as archive:
             cfg = archive.config
             state = archive.state_dict()
@@ -112,7 +135,7 @@ class ParakeetEngine:
             # oneDNN-packed weights are CPU-only opaque tensors that `.to()` cannot move.
             # The encoder takes its weights out of `state` and frees each one that packing replaces.
             encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), pop_sub_state_dict(state, "encoder"),
-                                                  pack_linears=device == "cpu", consume=True)
+                                                  pack_linears=device == "cpu" and backend != "compile", consume=True)
             target = str(cfg.get("target", ""))
             if target.endswith(CTC_ONLY_TARGETS) or decoding == "ctc" and "aux_ctc" not in cfg:
                 decoder, kind = CTCDecoder.from_archive(archive, state), "ctc"
@@ -122,7 +145,10 @@ class ParakeetEngine:
             tokenizer = Tokenizer.from_archive(archive)
         del state
         timing = FrameTiming(fcfg.window_stride, encoder.cfg.subsampling_factor)
-        return cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device)
+        engine = cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device, backend, options)
+        if isinstance(engine.decoder, TransducerDecoder) and kind != "ctc":
+            engine.decoder.set_mode(decoder_mode)  # after the move: the mode depends on the device
+        return engine
 
     def reserve(self, max_items: int) -> None:
         """Preallocate, once at startup, the decoder state for [max_items, encoder frames of the
@@ -134,13 +160,12 @@ class ParakeetEngine:
             self.decoder.reserve(max_items, max_enc)
         if self.device.startswith("cuda"):
             self._host = torch.empty(max_items, self.feature_cfg.features, width, pin_memory=True)
+        self.encoder_backend.reserve(max_items)  # CUDA graphs: capture every bucket now
 
     def _width(self, frames: int) -> int:
         """Batch time axis for a longest piece of `frames` frames: what `LogMel` gives a batch
         (one more than the valid frames, rounded up to pad_to), so batched shapes stay equal."""
-        pad_to = self.feature_cfg.pad_to
-        width = frames + 1
-        return -(-width // pad_to) * pad_to if pad_to > 0 else width
+        return feature_width(frames, self.feature_cfg.pad_to)
 
     def _batch(self, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """[n_mels, F_i] pieces -> padded [B, n_mels, W] and frame lengths [B] on the device."""
@@ -176,7 +201,7 @@ class ParakeetEngine:
         feats, flen = self._batch(features)
         # The sync in _timed also ends the host-to-device copy before the pinned buffer is reused.
         t = self._timed("batch", t)
-        enc, elen = self.encoder(feats, flen)
+        enc, elen = self.encoder_backend(feats, flen)
         t = self._timed("encoder", t)
         if self.kind == "ctc" and isinstance(self.decoder, TransducerDecoder):
             hyps = self.decoder.decode_ctc(enc, elen)

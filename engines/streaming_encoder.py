@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -116,6 +117,52 @@ class CacheAwareEncoder:
         frames to discard (0 for a first chunk, `cfg.drop_extra` after). Returns
         (encodings [B, T, D], valid frames [B] int64, updated caches). Caches are not modified.
         """
+        x, length, pos, att_mask, pad_mask = self._prepare(features, lengths, drop, caches.att_len)
+        att_next, conv_next = [], []
+        for i, layer in enumerate(self.encoder.layers):
+            def attend(h: Tensor, attn=layer.self_attn, cache=caches.att[i]) -> Tensor:
+                return _attention_step(attn, h, torch.cat((cache, h), dim=1), pos, att_mask)
+
+            x, h, c = _layer_step(layer, x, attend, pad_mask, caches.conv[i], length)
+            att_next.append(_shift_cache(caches.att[i], h, length))
+            conv_next.append(c)
+        new_len = torch.clamp(caches.att_len + length, max=self.cfg.att_cache)
+        return x, length, EncoderCaches(torch.stack(att_next), torch.stack(conv_next), new_len)
+
+    @torch.inference_mode()
+    def step_in_pool(self, features: Tensor, lengths: Tensor, drop: Tensor, pool_att: Tensor, pool_conv: Tensor,
+                     idx: Tensor, att_len: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`step` on pool rows with the fused Triton attention (`engines.stream_attention_triton`):
+        layers read their attention cache from `pool_att` [L, S, C, D] at slots idx [B], no
+        gathered copy, and it is updated in place; `pool_conv` [L, S, K-1, D] is gathered and
+        scattered back. att_len [B]: the rows' valid attention frames (not modified). Returns
+        (encodings, valid frames, the rows' next att_len). All writes come after every kernel
+        read, attention caches in one launch: a kernel failing to build (`KernelUnavailable`)
+        leaves the pool as it was, and the caller can redo the step with `step`."""
+        from engines.stream_attention_triton import fused_cache_attention, shift_cache_by_index_  # imports us
+
+        x, length, pos, att_mask, pad_mask = self._prepare(features, lengths, drop, att_len)
+        conv = pool_conv.index_select(1, idx)
+        hs, conv_next = [], []
+        for i, layer in enumerate(self.encoder.layers):
+            def attend(h: Tensor, attn=layer.self_attn, cache=pool_att[i]) -> Tensor:
+                return fused_cache_attention(attn, h, cache, idx, att_len, length, pos, att_mask, use_triton=True,
+                                             att_chunk=self.att_chunk, left_chunks=self.left_chunks)
+
+            x, h, c = _layer_step(layer, x, attend, pad_mask, conv[i], length)
+            hs.append(h)
+            conv_next.append(c)
+        n_layers, n_slots, c_att, d = pool_att.shape
+        # Layer l's slot s is row l * S + s of the flattened pool: one launch shifts every layer.
+        rows = (torch.arange(n_layers, device=idx.device)[:, None] * n_slots + idx).flatten()
+        shift_cache_by_index_(pool_att.view(n_layers * n_slots, c_att, d), rows, torch.cat(hs),
+                              length.repeat(n_layers), use_triton=True)
+        pool_conv.index_copy_(1, idx, torch.stack(conv_next))
+        return x, length, torch.clamp(att_len + length, max=self.cfg.att_cache)
+
+    def _prepare(self, features: Tensor, lengths: Tensor, drop: Tensor, att_len: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Subsample and right-align the chunk: (x [B, t, D], valid frames [B], pos, att mask, pad mask)."""
         enc = self.encoder
         x, sub_len = enc.pre_encode(features.transpose(1, 2), lengths, masked=True)
         if enc.xscale != 1.0:
@@ -126,15 +173,8 @@ class CacheAwareEncoder:
         # Right-align every row on its own drop: row b keeps frames drop[b] ... drop[b] + t - 1.
         idx = (drop[:, None] + torch.arange(t, device=x.device)).clamp(max=x.size(1) - 1)
         x = x.gather(1, idx[:, :, None].expand(-1, -1, x.size(2)))
-        pos = self._pos_table(t, x.dtype)
-        att_mask, pad_mask = self._masks(length, caches.att_len, t, x.dtype)
-        att_next, conv_next = [], []
-        for i, layer in enumerate(enc.layers):
-            x, a, c = _layer_step(layer, x, pos, att_mask, pad_mask, caches.att[i], caches.conv[i], length)
-            att_next.append(a)
-            conv_next.append(c)
-        new_len = torch.clamp(caches.att_len + length, max=self.cfg.att_cache)
-        return x, length, EncoderCaches(torch.stack(att_next), torch.stack(conv_next), new_len)
+        att_mask, pad_mask = self._masks(length, att_len, t, x.dtype)
+        return x, length, self._pos_table(t, x.dtype), att_mask, pad_mask
 
     def _pos_table(self, t: int, dtype: torch.dtype) -> Tensor:
         """Sinusoids of relative positions C+t-1 ... -(t-1) (query i at C+i, key j at j): [C+2t-1, D]."""
@@ -173,17 +213,18 @@ def _shift_cache(cache: Tensor, new: Tensor, length: Tensor) -> Tensor:
     return both.gather(1, idx[:, :, None].expand(-1, -1, both.size(2)))
 
 
-def _layer_step(layer: ConformerLayer, x: Tensor, pos: Tensor, att_mask: Tensor, pad_mask: Tensor,
-                att_cache: Tensor, conv_cache: Tensor, length: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """`ConformerLayer.forward` with caches: x [B, t, D] -> (x, next att cache, next conv cache)."""
+def _layer_step(layer: ConformerLayer, x: Tensor, attend: Callable[[Tensor], Tensor], pad_mask: Tensor,
+                conv_cache: Tensor, length: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`ConformerLayer.forward` with caches: x [B, t, D] -> (x, the attention input h [B, t, D]
+    that the attention cache takes next, next conv cache). `attend(h)` is the cache-aware
+    self-attention over [cache | h] (`_attention_step`, or the fused kernel on the pool)."""
     x = torch.add(x, layer.feed_forward1(layer.norm_feed_forward1(x)), alpha=0.5)
     h = layer.norm_self_att(x)
-    x = x + _attention_step(layer.self_attn, h, torch.cat((att_cache, h), dim=1), pos, att_mask)
-    att_next = _shift_cache(att_cache, h, length)
+    x = x + attend(h)
     conv_out, conv_next = _conv_step(layer.conv, layer.norm_conv(x), conv_cache, pad_mask, length)
     x = x + conv_out
     x = torch.add(x, layer.feed_forward2(layer.norm_feed_forward2(x)), alpha=0.5)
-    return layer.norm_out(x), att_next, conv_next
+    return layer.norm_out(x), h, conv_next
 
 
 def _attention_step(attn: nn.Module, x: Tensor, kv: Tensor, pos: Tensor, mask: Tensor) -> Tensor:

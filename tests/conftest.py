@@ -1,6 +1,7 @@
 """Shared test helpers: where `../shared` is, and the NeMo reference fixtures in it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -28,6 +29,11 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
+
+# Checked without importing triton: the interpreter tests run it in a subprocess (the
+# TRITON_INTERPRET flag is read at import), and an import here would only add exit noise.
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed (pip install -e '.[test]')")
 
 needs_shared = pytest.mark.skipif(
     not NEMO_REF.is_dir(), reason=f"shared fixtures not found at {NEMO_REF} (CI always has them)"

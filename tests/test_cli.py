@@ -85,6 +85,25 @@ def test_usage_and_nothing_to_do_exit_codes(tmp_path):
 
 
 @needs_shared
+def test_encoder_backend_and_decoder_mode_options(tmp_path):
+    """Bad names are usage errors; a graph decoder mode on the CPU falls back to eager (said
+    once on stderr) with NeMo's transcript; a GPU-only encoder backend on the CPU is refused."""
+    ref = Reference("tdt_tiny")
+    audio = str(ref.audio_path(0))
+    for flag in ("--encoder-backend", "--decoder-mode"):
+        p = run_cli(audio, "--model", str(ref.nemo), "--out", str(tmp_path / "x"), flag, "bogus")
+        assert p.returncode == 2 and flag in p.stderr and "auto" in p.stderr
+    out = tmp_path / "fg"
+    p = run_cli(audio, "--model", str(ref.nemo), "--out", str(out), "--device", "cpu", "--decoder-mode", "full-graph")
+    assert p.returncode == 0, p.stderr
+    assert "decoder eager" in p.stderr and p.stderr.count("requested full-graph") == 1
+    assert json.loads((out / "results.jsonl").read_text())["text"] == ref.files[0]["transcribe_text"]
+    p = run_cli(audio, "--model", str(ref.nemo), "--out", str(tmp_path / "cg"), "--device", "cpu",
+                "--encoder-backend", "cuda-graphs")
+    assert p.returncode == 1 and "needs a CUDA device" in p.stderr
+
+
+@needs_shared
 def test_bench_report_has_the_contract_fields(tmp_path):
     ref = Reference("tdt_tiny")
     manifest = tmp_path / "m.jsonl"

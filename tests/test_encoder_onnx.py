@@ -66,3 +66,21 @@ def test_export_refuses_packed_encoder(tmp_path):
         pytest.skip("this torch build has no oneDNN packed linear")
     with pytest.raises(ValueError, match="pack_linears=False"):
         export_encoder(enc, tmp_path / "x.onnx")
+
+
+@needs_shared
+def test_export_has_the_ops_tensorrt_pins_to_fp32(tmp_path):
+    # The TensorRT fp16/bf16 build keeps normalization and softmax layers in fp32: that needs
+    # every LayerNorm exported as one LayerNormalization node (opset >= 17), not decomposed.
+    onnx = pytest.importorskip("onnx")
+    from engines.encoder_tensorrt_build import OPSET, export_onnx
+
+    ref = Reference("tdt_tiny")
+    path = export_onnx(ref.nemo, tmp_path / "enc.onnx")
+    assert [p.name for p in tmp_path.iterdir()] == ["enc.onnx"]  # the temp file was renamed
+    model = onnx.load(str(path))
+    ops = [n.op_type for n in model.graph.node]
+    cfg, _ = load("tdt_tiny")
+    assert model.opset_import[0].version == OPSET >= 17
+    assert ops.count("LayerNormalization") == 5 * cfg.n_layers  # 4 pre-norms + norm_out per layer
+    assert ops.count("Softmax") == cfg.n_layers and "ReduceMean" not in ops

@@ -109,13 +109,13 @@ def test_pool_slots_exhaust_and_reset(model, files):
     feats = _full_features(model, files[2]["samples"])
     span = chunk_plan(feats.shape[1], model.encoder.cfg)[0]
     pool.step([ChunkInput(a, chunk_features(feats, span, model.encoder.cfg), True)])
-    assert int(pool.att_len[a]) > 0 and int(pool.frames[a]) > 0
+    assert int(pool.att_len[a]) > 0 and int(pool.dec.frames[a]) > 0
     pool.release(a)
     pool.release(a)  # idempotent
     assert pool.free_slots == 1
-    assert int(pool.att_len[a]) == 0 and int(pool.frames[a]) == 0
+    assert int(pool.att_len[a]) == 0 and int(pool.dec.frames[a]) == 0
     assert not pool.att[:, a].any() and not pool.conv[:, a].any()
-    assert torch.equal(pool.h[:, a], pool.h[:, b]) and torch.equal(pool.pred_out[a], pool.pred_out[b])
+    assert torch.equal(pool.dec.h[:, a], pool.dec.h[:, b]) and torch.equal(pool.dec.pred_out[a], pool.dec.pred_out[b])
     with pytest.raises(ValueError):
         pool.release(7)
 

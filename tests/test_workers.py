@@ -15,7 +15,7 @@ from conftest import Reference, needs_shared
 from transcribe.audio import load_audio
 from transcribe.decode import AudioStream
 from transcribe.shm import Slab, our_segments
-from transcribe.workers import FileTimeout, WorkerPool
+from transcribe.workers import FileTimeout, Prespawned, WorkerPool
 
 SR = 16000
 CRASH_LEN, HANG_LEN, RAISE_LEN = 12_345, 13_579, 14_321  # audio lengths that trigger a fault
@@ -131,6 +131,25 @@ def test_workers_block_when_the_slab_is_full(tmp_path):
         _, rest = _collect(pool, 5 - len(ends), slab)
     assert sorted({**ends, **rest}) == list(range(5))
     assert all(e[0] == "done" for e in {**ends, **rest}.values())
+
+
+def test_prespawned_workers_are_used_first_and_spares_are_stopped(tmp_path):
+    """Workers spawned before the model loads serve the pool (no second spawn); those the pool
+    does not take end when the spares are closed."""
+    files = [_wav(tmp_path / f"{i}.wav", 8_000, i) for i in range(3)]
+    fe = ToyFrontend()
+    with Prespawned(3) as spares:
+        pids = [p.pid for p, _, _ in spares._spare]
+        with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 2, prespawned=spares) as pool:
+            used = [w.process.pid for w in pool._workers]
+            for fid, p in enumerate(files):
+                pool.submit(fid, str(p))
+            _, ends = _collect(pool, 3, slab)
+        left = [p.pid for p, _, _ in spares._spare]
+    assert set(used) <= set(pids) and len(left) == 1  # the pool took two of the three
+    assert all(e[0] == "done" for e in ends.values())
+    time.sleep(0.2)
+    assert not _children_alive(pids)
 
 
 @needs_shared

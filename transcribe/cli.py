@@ -17,12 +17,14 @@ import typer
 
 EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE, EXIT_SOME_FAILED = 0, 1, 2, 3
 
-SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve")
+SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
 
 main_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
 WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
+BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
+DECODER_MODE_HELP = "Parakeet decoder loop: auto (best the GPU supports), full-graph, unrolled, eager (CPU: eager)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
 
@@ -31,11 +33,22 @@ def _fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str]):
-    """Discover inputs and load the engine; returns (files, engine, load seconds)."""
+def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
+             workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto"):
+    """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
+    workers). The workers are spawned before the model loads so their start overlaps it."""
     from engines.checkpoint import CheckpointError
     from engines.loader import load_engine
     from transcribe.inputs import InputError, discover, shard
+    from transcribe.workers import Prespawned, default_workers
+    from engines.decode_graphs import DecodeMode
+    from engines.encoder_backend import BACKENDS
+
+    if encoder_backend not in BACKENDS:
+        raise _fail(f"--encoder-backend {encoder_backend!r}: expected one of {', '.join(BACKENDS)}", EXIT_USAGE)
+    if decoder_mode not in [m.value for m in DecodeMode]:
+        raise _fail(f"--decoder-mode {decoder_mode!r}: expected one of {', '.join(m.value for m in DecodeMode)}",
+                    EXIT_USAGE)
 
     try:
         files = shard(discover(inputs), shard_spec)
@@ -44,12 +57,18 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     if not files:
         raise _fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
     t0 = time.perf_counter()
+    spares = Prespawned(workers or default_workers())
+    engine = None
     try:
-        engine = load_engine(model, device)
+        engine = load_engine(model, device, encoder_backend, decoder_mode)
     except (CheckpointError, ValueError, OSError) as e:
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
-    typer.echo(f"model: {engine.name} on {engine.device}", err=True)
-    return files, engine, time.perf_counter() - t0
+    finally:
+        if engine is None:  # failed or interrupted: the spare workers have nothing to do
+            spares.close()
+    runtime = getattr(engine, "runtime", "")  # Parakeet: encoder backend and decoder mode
+    typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
+    return files, engine, time.perf_counter() - t0, spares
 
 
 @main_app.command(
@@ -67,6 +86,8 @@ def transcribe(
     shard_spec: Optional[str] = typer.Option(None, "--shard", help="Only shard I of N (I/N), for array jobs."),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Progress bar (default: on a terminal)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
+    encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
+    decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import parse_formats
@@ -76,9 +97,10 @@ def transcribe(
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
-    files, engine, _ = _prepare(inputs, model, device, shard_spec)
-    stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
-                                       workers=workers, progress=progress))
+    files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode)
+    with spares:
+        stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
+                                           workers=workers, progress=progress, prespawned=spares))
     wall = time.perf_counter() - t0
     rtfx = stats.audio_seconds / wall if wall > 0 else 0.0
     typer.echo(
@@ -98,16 +120,18 @@ def bench(
     batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0),
     out: Optional[Path] = typer.Option(None, "--out", help="Keep transcripts here (default: a temporary folder)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
+    encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
+    decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
     t0 = time.perf_counter()
-    files, engine, load_s = _prepare(inputs, model, device, None)
-    with tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
+    files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode)
+    with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
-                                           workers=workers, progress=False))
+                                           workers=workers, progress=False, prespawned=spares))
         report = build_report(stats, files, engine.name, engine.device, load_s, time.perf_counter() - t0)
     if json_path is not None:
         write_report(report, json_path)
@@ -157,16 +181,20 @@ def _interruptible(job):
 @sub_app.command(help="Stream one audio file through a cache-aware streaming model, printing partial transcripts.")
 def stream(
     path: Path = typer.Argument(..., help="Audio file."),
-    model: str = typer.Option(..., "--model", "-m", help="A cache-aware streaming RNN-T .nemo (or registry name)."),
+    model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),
     realtime: bool = typer.Option(False, "--realtime", help="Feed audio at real-time pace (else as fast as possible)."),
     piece_ms: int = typer.Option(100, "--piece-ms", min=10, help="Audio per feed (ms)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines with word times instead of text lines."),
+    chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
+    left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
+    right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
     from transcribe.audio import AudioError
     from transcribe.streaming.cli_commands import stream_file
 
     try:
-        summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo)
+        summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
+                              chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
     except (AudioError, ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
     typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx {summary['rtfx']:.1f}, "
@@ -175,21 +203,50 @@ def stream(
 
 @sub_app.command(help="Serve streaming transcription over TCP (newline-delimited JSON) and optionally WebSocket (--ws-port); protocol in transcribe/streaming/protocol.py.")
 def serve(
-    model: str = typer.Option(..., "--model", "-m", help="A cache-aware streaming RNN-T .nemo (or registry name)."),
+    model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8765, "--port"),
     max_streams: int = typer.Option(16, "--max-streams", min=1, help="Cache slots: streams decoded at once."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Clients queued for a slot before 'busy'."),
     idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", help="Drop a silent client after this many seconds."),
     ws_port: Optional[int] = typer.Option(None, "--ws-port", help="Also serve the protocol over WebSocket on this port (default: off)."),
+    chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
+    left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
+    right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N (auto: cuda when available)."),
 ) -> None:
+    from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
 
     try:
         run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
-                   idle_timeout_s=idle_timeout_s, ws_port=ws_port)
+                   idle_timeout_s=idle_timeout_s, ws_port=ws_port, chunk_ms=chunk_ms, left_ms=left_ms,
+                   right_ms=right_ms, device=pick_device(device))
     except (ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
+
+
+@sub_app.command("export-engine", help="Build the TensorRT encoder engine for a model ahead of time (cached where "
+                 "`--encoder-backend tensorrt` looks), or with --onnx-only just write the encoder's ONNX.")
+def export_engine_cmd(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    precision: str = typer.Option("fp16", "--precision", help="fp16, bf16 or fp32 (layer norms and softmax stay fp32)."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Engine cache (default: $XDG_CACHE_HOME/transcribe/trt)."),
+    onnx: Optional[Path] = typer.Option(None, "--onnx", help="Also write the encoder ONNX here."),
+    onnx_only: bool = typer.Option(False, "--onnx-only", help="Only write the ONNX (no TensorRT or GPU needed)."),
+    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Most rows per batch a profile takes (use the same value at run time)."),
+    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help="The --batch-seconds the engine will run with."),
+) -> None:
+    from transcribe.export_engine import ExportError, ExportRequest, export_engine
+
+    try:
+        req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, max_batch, batch_seconds)
+    except ValueError as e:
+        raise _fail(str(e), EXIT_USAGE)
+    try:
+        raise typer.Exit(export_engine(req, echo=lambda line: typer.echo(line, err=True)))
+    except ExportError as e:
+        raise _fail(str(e), e.code)
 
 
 @sub_app.command(help="List the registry names `--model` accepts.")

@@ -33,7 +33,7 @@ from transcribe.results import Result
 from transcribe.resume import file_identity, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
-from transcribe.workers import FileTimeout, Piece, WorkerPool, default_workers
+from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
 from transcribe.writers import ResultsLog, write_outputs
 
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
@@ -111,8 +111,11 @@ def slab_slots(frontend: Frontend, n_workers: int) -> int:
 
 def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str], *,
         batch_seconds: float = 300.0, force: bool = False, workers: int | None = None,
-        progress: bool | None = None, file_timeout: FileTimeout = FileTimeout()) -> RunStats:
+        progress: bool | None = None, file_timeout: FileTimeout = FileTimeout(),
+        prespawned: Prespawned | None = None) -> RunStats:
     """Transcribe `files` into `out_dir`; returns counts, audio seconds, wall time and stage times.
+
+    `prespawned`: worker processes started while the model loaded (`Prespawned`), used first.
 
     Raises `Interrupted` on SIGINT/SIGTERM, after writing everything finished and cleaning up.
     """
@@ -128,7 +131,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
             if todo:
                 job = _Job(engine, todo, output_stems(files), out_dir, formats, log, stats, bar)
-                job.run(n_workers, batch_seconds, file_timeout)
+                job.run(n_workers, batch_seconds, file_timeout, prespawned)
     finally:
         bar.close()
         for k, v in engine.stage_seconds.items():
@@ -179,14 +182,15 @@ class _Job:
         self.log, self.stats, self.bar = log, stats, bar
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until written or failed
 
-    def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout) -> None:
+    def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
+            prespawned: Prespawned | None = None) -> None:
         frontend = self.engine.frontend
         n_slots = slab_slots(frontend, n_workers)
         max_items = n_slots - n_workers  # a full batch can wait while each worker fills a slot
         batcher: Batcher[Piece] = Batcher(self.engine.bucket_edges_s, batch_seconds, max_items)
         self.stats.padding = batcher.padding
         with Slab.create(n_slots, frontend.n_mels * frontend.max_frames) as slab, \
-                WorkerPool(frontend, slab, n_workers, timeout) as pool:
+                WorkerPool(frontend, slab, n_workers, timeout, prespawned) as pool:
             self.engine.reserve(max_items)
             gc.collect()
             gc.freeze()  # long-lived startup objects: out of every collection's scan while we run

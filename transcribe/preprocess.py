@@ -3,7 +3,8 @@
 The file is streamed (`transcribe/decode.py`: soundfile blocks or PyAV, downmix, soxr), cut at
 pauses (`segmenting.PieceCutter`), and each piece's features (the engine's `frontend`) are
 written into a slot the main process granted; a `Piece` descriptor goes back over the pipe.
-Protocol on the worker's pipe (main -> worker): ("file", fid, path), ("slot", slot), ("stop",);
+Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, then
+("file", fid, path), ("slot", slot), ("stop",);
 (worker -> main): ("ready",) once, then per file ("start", fid, header seconds), ("slot?",), ("piece", Piece),
 ("done", fid, n_pieces, samples, stage seconds), ("error", fid, reason, stage seconds).
 """
@@ -41,13 +42,27 @@ class _Stop(Exception):
     """The main process asked this worker to stop while it waited for a slot."""
 
 
-def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
+def worker_boot(conn) -> None:
+    """Process entry: imports first, then wait for ("attach", slab spec, pickled frontend).
+
+    Split from `worker_main` so workers can be spawned while the main process still loads the
+    model (`workers.Prespawned`): the ~1.5 s of interpreter start and torch import overlap
+    the load instead of following it."""
     # ^C reaches the whole process group; the main process stops the workers in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     import torch
 
     torch.set_num_threads(1)  # one core per worker; the model keeps the main process's threads
+    try:
+        msg = conn.recv()
+    except (EOFError, OSError):
+        return  # never used: the job ended (nothing to do, or the model failed to load)
+    if msg[0] == "attach":
+        worker_main(conn, msg[1], msg[2])
+
+
+def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
     slab = Slab.attach(spec)
     frontend = pickle.loads(frontend_bytes)
     frontend(np.zeros(frontend.sample_rate, np.float32))  # build the module now, not on file one

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import wait
 
-from transcribe.preprocess import Piece, worker_main
+from transcribe.preprocess import Piece, worker_boot
 from transcribe.shm import Slab, SlabSpec
 
-__all__ = ["FileTimeout", "Piece", "WorkerPool", "WorkerStartError", "default_workers"]
+__all__ = ["FileTimeout", "Piece", "Prespawned", "WorkerPool", "WorkerStartError", "default_workers"]
 
 MAX_WAIT_S = 0.5  # the pool thread wakes at least this often to check deadlines
 STARTUP_S = 300.0  # a worker not ready by then (spawn, imports, frontend warm-up) is stuck
@@ -57,6 +57,45 @@ def default_workers() -> int:
     return 1 if cpus <= 2 else min(8, cpus // 2)
 
 
+class Prespawned:
+    """Worker processes started before the model is loaded, waiting for their slab and frontend.
+
+    Spawning costs ~1.5 s per process (interpreter, torch import) that would otherwise follow
+    the model load; `WorkerPool` takes these first and spawns only what is missing. Processes
+    never taken are stopped by `close` (a closed pipe ends them; the kernel kills them with the
+    main process in any case)."""
+
+    def __init__(self, n: int):
+        self._ctx = get_context("spawn")
+        self._spare: list[tuple[object, object, float]] = [_spawn(self._ctx) for _ in range(max(n, 0))]
+
+    def take(self) -> tuple[object, object, float] | None:
+        return self._spare.pop() if self._spare else None
+
+    def close(self) -> None:
+        while self._spare:
+            process, conn, _ = self._spare.pop()
+            conn.close()  # EOF: the waiting worker returns
+            process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def __enter__(self) -> "Prespawned":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _spawn(ctx) -> tuple[object, object, float]:
+    parent, child = ctx.Pipe(duplex=True)
+    p = ctx.Process(target=worker_boot, args=(child,), daemon=True, name="transcribe-preprocess")
+    p.start()
+    child.close()  # so the worker's death reads as EOF here
+    return p, parent, time.monotonic()
+
+
 @dataclass
 class _Worker:
     process: object
@@ -75,7 +114,8 @@ class WorkerPool:
     """Files in (`submit`), events out (`events`): ("piece", Piece), ("done", fid, n_pieces,
     samples), ("error", fid, why); a bug in the pool thread arrives as ("fatal", exception)."""
 
-    def __init__(self, frontend, slab: Slab, n_workers: int, timeout: FileTimeout = FileTimeout()):
+    def __init__(self, frontend, slab: Slab, n_workers: int, timeout: FileTimeout = FileTimeout(),
+                 prespawned: Prespawned | None = None):
         if n_workers < 1:
             raise ValueError(f"need at least one worker, got {n_workers}")
         self._ctx = get_context("spawn")
@@ -92,17 +132,18 @@ class WorkerPool:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        self._prespawned = prespawned
         self._workers = [self._start() for _ in range(n_workers)]
         self._thread = threading.Thread(target=self._serve, name="transcribe-pool", daemon=True)
         self._thread.start()
 
     def _start(self) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
-        p = self._ctx.Process(target=worker_main, args=(child, self._spec, self._frontend), daemon=True,
-                              name="transcribe-preprocess")
-        p.start()
-        child.close()  # so the worker's death reads as EOF here
-        return _Worker(p, parent, time.monotonic())
+        """A worker: a prespawned process if one is left, else a new one; then attach it."""
+        spare = self._prespawned.take() if self._prespawned is not None else None
+        p, conn, started = spare if spare is not None else _spawn(self._ctx)
+        w = _Worker(p, conn, started)
+        self._send(w, ("attach", self._spec, self._frontend))  # a dead one is replaced on EOF
+        return w
 
     # -- called from the pipeline's thread ----------------------------------------------------
     def submit(self, fid: int, path: str) -> None:

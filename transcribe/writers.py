@@ -78,17 +78,25 @@ def parse_formats(spec: str) -> list[str]:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never a part."""
+    """Write `text` (UTF-8) to `path` so that readers see the old file or the new one, never a part."""
+    if not isinstance(text, str):
+        raise TypeError(f"atomic_write_text needs str, got {type(text).__name__}")
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data) -> None:
+    """Write `data` (bytes or any buffer, e.g. TensorRT's IHostMemory) so that readers see the
+    old file or the whole new one, never a part: temp file in the same folder, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(memoryview(data))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        # Any failure (disk full, ^C) removes the temporary file; the old output stays intact.
+        # Any failure (disk full, ^C, SIGTERM) removes the temporary file; the old one stays intact.
         Path(tmp).unlink(missing_ok=True)
         raise
 

@@ -15,27 +15,40 @@ from transcribe.streaming.server import ServerConfig, serve_forever
 from transcribe.streaming.session import SessionState
 
 
-def load_streaming_model(model: str) -> StreamingModel:
-    """A registry name or a `.nemo` path -> StreamingModel (ValueError if not cache-aware RNN-T)."""
+def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: float | None = None,
+                         right_ms: float | None = None, device: str = "cpu") -> StreamingModel:
+    """A registry name or a `.nemo` path -> StreamingModel: cache-aware checkpoints stream with
+    their trained chunking, offline-trained TDT / RNN-T ones in chunks with left and right
+    context (None = NeMo's 2 s chunk, 10 s left, 2 s right). ValueError for anything else."""
     from engines.loader import load_engine
     from engines.parakeet import ParakeetEngine
 
-    engine = load_engine(model, device="cpu")
+    # Streaming steps are small batches of short chunks: eager torch (no bucketed graphs).
+    engine = load_engine(model, device=device, encoder_backend="torch", decoder_mode="eager")
     if not isinstance(engine, ParakeetEngine):
-        raise ValueError(f"model {model!r} is not a cache-aware FastConformer RNN-T checkpoint")
-    return StreamingModel(engine)
+        raise ValueError(f"model {model!r} is not a FastConformer transducer checkpoint")
+    sm = StreamingModel(engine, chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
+    if sm.context is not None:
+        fs = sm.frame_samples / sm.sample_rate
+        c = sm.context
+        logging.getLogger(__name__).warning(
+            "chunked streaming: chunk %.2f s, left %.2f s, right %.2f s (theoretical latency %.2f s)",
+            c.chunk * fs, c.left * fs, c.right * fs, (c.chunk + c.right) * fs)
+    return sm
 
 
 def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: int = 100,
-                as_json: bool = False, echo: Callable[[str], None] = print) -> dict:
-    """Stream one audio file through the cache-aware engine, printing each partial transcript.
+                as_json: bool = False, echo: Callable[[str], None] = print, chunk_ms: float | None = None,
+                left_ms: float | None = None, right_ms: float | None = None) -> dict:
+    """Stream one audio file through the streaming engine (cache-aware, or chunked with
+    chunk_ms / left_ms / right_ms for offline-trained models), printing each partial transcript.
 
     realtime: feed audio at the pace it was recorded (else as fast as possible). Prints one
     line per chunk (`partial`/`final` text, or JSON lines with word times when `as_json`) and
     returns a summary: text, words, audio_seconds, wall_seconds, rtfx, steps, step latency (ms)."""
     from transcribe.audio import load_audio
 
-    sm = load_streaming_model(model)
+    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms)
     audio = load_audio(path, sm.sample_rate)
     sched = Scheduler(sm, SchedulerConfig(max_streams=1))
     session = sched.open(Path(path).name)
@@ -80,11 +93,13 @@ def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) ->
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
-          idle_timeout_s: float = 15.0, ws_port: int | None = None) -> None:
+          idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
+          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu") -> None:
     """Run the streaming server until interrupted (see transcribe/streaming/protocol.py): TCP on
-    `port`, and the same protocol over WebSocket on `ws_port` when given (None = no WebSocket)."""
+    `port`, and the same protocol over WebSocket on `ws_port` when given (None = no WebSocket).
+    chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None = defaults)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    sm = load_streaming_model(model)
+    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
                        max_waiting=max_waiting, idle_timeout_s=idle_timeout_s)
     try:

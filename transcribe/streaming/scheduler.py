@@ -1,4 +1,5 @@
-"""Admission and batching of streams over one `StreamPool`.
+"""Admission and batching of streams over one slot pool: `StreamPool` (cache-aware
+checkpoints) or `ChunkedStreamPool` (offline-trained ones, chunked with left/right context).
 
 `Scheduler.open` gives a new stream a slot, or a place in a bounded waiting queue (FIFO);
 `collect` takes at most one ready chunk from every active stream (whatever its position) for
@@ -17,13 +18,17 @@ from typing import Sequence
 
 import torch
 
+from engines.chunked_pool import (DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, ChunkContext,
+                                  ChunkedStreamPool, ChunkWindow)
 from engines.decode_stages import Hypothesis
 from engines.parakeet import ParakeetEngine
 from engines.stream_pool import ChunkInput, StreamPool
 from engines.streaming_encoder import CacheAwareEncoder
+from engines.transducer import TransducerDecoder
 from transcribe.features import LogMel
 from transcribe.results import Result
-from transcribe.streaming.session import IncrementalLogMel, SessionState, StreamSession
+from transcribe.streaming.chunked_session import ChunkedSession
+from transcribe.streaming.session import IncrementalLogMel, SessionBase, SessionState, StreamSession
 from transcribe.timestamps import build_result
 
 
@@ -46,31 +51,57 @@ class SchedulerConfig:
 
 
 class StreamingModel:
-    """The pieces of a loaded cache-aware RNN-T `.nemo` that streaming needs."""
+    """The pieces of a loaded transducer `.nemo` that streaming needs. A cache-aware checkpoint
+    streams with its own trained chunking; an offline-trained one streams in chunks with left
+    and right context (`chunk_ms`, `left_ms`, `right_ms`; None = NeMo's 2 s / 10 s / 2 s)."""
 
-    def __init__(self, engine: ParakeetEngine):
-        if engine.kind != "rnnt":
-            raise ValueError(f"streaming needs a cache-aware RNN-T checkpoint, {engine.name} is {engine.kind}")
+    def __init__(self, engine: ParakeetEngine, chunk_ms: float | None = None, left_ms: float | None = None,
+                 right_ms: float | None = None):
+        if engine.kind not in ("rnnt", "tdt") or not isinstance(engine.decoder, TransducerDecoder):
+            raise ValueError(f"streaming needs an RNN-T or TDT transducer checkpoint, {engine.name} decodes {engine.kind}")
         self.engine = engine
-        self.encoder = CacheAwareEncoder(engine.encoder)  # ValueError for offline-trained encoders
         self.logmel = LogMel(engine.feature_cfg, torch.from_numpy(engine.frontend.window),
                              torch.from_numpy(engine.frontend.fb))
         self.sample_rate = engine.sample_rate
+        given = [v for v in (chunk_ms, left_ms, right_ms) if v is not None]
+        try:
+            self.encoder: CacheAwareEncoder | None = CacheAwareEncoder(engine.encoder)
+        except ValueError:  # not trained for cache-aware streaming: chunked with context instead
+            self.encoder = None
+        if self.encoder is not None and given:
+            raise ValueError(f"{engine.name} is a cache-aware streaming checkpoint: it streams with its own "
+                             "trained chunk size; --chunk-ms/--left-context-ms/--right-context-ms are for "
+                             "offline-trained models")
+        self.frame_samples = engine.feature_cfg.hop_length * engine.encoder.cfg.subsampling_factor
+        self.context: ChunkContext | None = None
+        if self.encoder is None:
+            self.context = ChunkContext.from_ms(
+                DEFAULT_CHUNK_MS if chunk_ms is None else chunk_ms, DEFAULT_LEFT_MS if left_ms is None else left_ms,
+                DEFAULT_RIGHT_MS if right_ms is None else right_ms, self.frame_samples, self.sample_rate)
+
+    @property
+    def mode(self) -> str:
+        return "cache-aware" if self.encoder is not None else "chunked"
 
     @classmethod
-    def from_nemo(cls, path: str | Path) -> "StreamingModel":
-        return cls(ParakeetEngine.from_nemo(path, device="cpu"))
+    def from_nemo(cls, path: str | Path, **context_ms: float | None) -> "StreamingModel":
+        return cls(ParakeetEngine.from_nemo(path, device="cpu"), **context_ms)
 
-    def new_pool(self, max_streams: int) -> StreamPool:
+    def new_pool(self, max_streams: int) -> StreamPool | ChunkedStreamPool:
+        if self.encoder is None:
+            return ChunkedStreamPool(self.engine.encoder, self.engine.decoder, self.logmel, max_streams)
         return StreamPool(self.encoder, self.engine.decoder, max_streams)
 
-    def new_session(self, stream_id: str) -> StreamSession:
+    def new_session(self, stream_id: str) -> StreamSession | ChunkedSession:
+        if self.context is not None:
+            return ChunkedSession(stream_id, self.sample_rate, self.frame_samples, self.context)
         return StreamSession(stream_id, IncrementalLogMel(self.logmel), self.encoder.cfg)
 
-    def result(self, session: StreamSession) -> Result:
+    def result(self, session: SessionBase) -> Result:
         """Text and word times (s from the stream start) of everything decoded so far."""
         e = self.engine
-        return build_result(e.tokenizer, session.tokens, session.token_frames, [], "rnnt", e.timing)
+        return build_result(e.tokenizer, session.tokens, session.token_frames, session.token_durations, e.kind,
+                            e.timing)
 
 
 class Scheduler:
@@ -79,13 +110,13 @@ class Scheduler:
     def __init__(self, model: StreamingModel, cfg: SchedulerConfig):
         self.model, self.cfg = model, cfg
         self.pool = model.new_pool(cfg.max_streams)
-        self.active: dict[str, StreamSession] = {}
-        self.waiting: collections.deque[StreamSession] = collections.deque()
+        self.active: dict[str, SessionBase] = {}
+        self.waiting: collections.deque[SessionBase] = collections.deque()
         self._stepping = False
         self._deferred: list[int] = []
-        self._admitted: list[StreamSession] = []  # WAITING -> ACTIVE since take_admitted()
+        self._admitted: list[SessionBase] = []  # WAITING -> ACTIVE since take_admitted()
 
-    def open(self, stream_id: str) -> StreamSession:
+    def open(self, stream_id: str) -> SessionBase:
         """A new session, ACTIVE with a slot or WAITING in the queue; Busy if both are full;
         ValueError if the id is already in use."""
         if stream_id in self.active or any(s.stream_id == stream_id for s in self.waiting):
@@ -99,12 +130,12 @@ class Scheduler:
             raise Busy(f"server busy: {self.cfg.max_streams} streams active and {len(self.waiting)} waiting")
         return session
 
-    def _activate(self, session: StreamSession) -> None:
+    def _activate(self, session: SessionBase) -> None:
         session.slot = self.pool.acquire()
         session.state = SessionState.ACTIVE
         self.active[session.stream_id] = session
 
-    def close(self, session: StreamSession, failed: bool = False) -> None:
+    def close(self, session: SessionBase, failed: bool = False) -> None:
         """Return the session's slot (deferred past a running step) and admit waiting streams
         (see `take_admitted`). Idempotent."""
         if session.state in (SessionState.DONE, SessionState.FAILED):
@@ -127,12 +158,12 @@ class Scheduler:
             self._activate(session)
             self._admitted.append(session)
 
-    def take_admitted(self) -> list[StreamSession]:
+    def take_admitted(self) -> list[SessionBase]:
         """Sessions given a slot since the last call (the server tells their clients)."""
         out, self._admitted = self._admitted, []
         return out
 
-    def collect(self) -> tuple[list[StreamSession], list[ChunkInput]]:
+    def collect(self) -> tuple[list[SessionBase], list[ChunkInput | ChunkWindow]]:
         """At most one ready chunk per active stream, up to max_batch, oldest streams first."""
         limit = self.cfg.max_batch or self.cfg.max_streams
         sessions, chunks = [], []
@@ -156,22 +187,22 @@ class Scheduler:
         self._deferred.clear()
         self._admit()
 
-    def apply(self, sessions: Sequence[StreamSession], hyps: Sequence[Hypothesis]
-              ) -> list[tuple[StreamSession, Result, bool]]:
+    def apply(self, sessions: Sequence[SessionBase], hyps: Sequence[Hypothesis]
+              ) -> list[tuple[SessionBase, Result, bool]]:
         """Record a step's tokens; (session, transcript so far, is_final) for each live session.
         A final session is closed (its slot returned) before this returns."""
         out = []
         for session, hyp in zip(sessions, hyps):
             if session.state != SessionState.ACTIVE:
                 continue  # closed (disconnected) while its chunk was running
-            session.add(hyp.tokens, hyp.frames)
+            session.add(hyp.tokens, hyp.frames, hyp.durations)
             final = session.finished_input
             out.append((session, self.model.result(session), final))
             if final:
                 self.close(session)
         return out
 
-    def finish_idle(self) -> list[tuple[StreamSession, Result, bool]]:
+    def finish_idle(self) -> list[tuple[SessionBase, Result, bool]]:
         """Ended streams with no chunk left (e.g. too short for one chunk): final now."""
         out = []
         for session in list(self.active.values()):
@@ -180,7 +211,7 @@ class Scheduler:
                 self.close(session)
         return out
 
-    def run_once(self) -> list[tuple[StreamSession, Result, bool]]:
+    def run_once(self) -> list[tuple[SessionBase, Result, bool]]:
         """collect -> pool step -> apply, synchronously (tests, `transcribe stream`)."""
         sessions, chunks = self.collect()
         out = self.apply(sessions, self.pool.step(chunks)) if chunks else []

@@ -7,7 +7,8 @@ message, abort, close) around one per-connection handler, so admission, errors, 
 slot release are the same code. One event loop does all socket I/O and scheduling; the batched pool step runs in one worker
 thread (torch releases the GIL), so reading audio and sending results go on while the model
 computes. Every client has a bounded outgoing queue: a client that does not read its results
-(queue full) or sends nothing for `idle_timeout_s` is dropped, and its slot returns to the pool.
+(queue full, or one send blocked for `send_timeout_s`) or sends nothing for `idle_timeout_s` is
+dropped, and its slot returns to the pool.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
-from transcribe.streaming.session import SessionState, StreamSession
+from transcribe.streaming.session import SessionBase, SessionState
 
 if TYPE_CHECKING:  # websockets is imported only when a WebSocket port is served
     from websockets.asyncio.server import Server as WsServer, ServerConnection
@@ -40,6 +41,10 @@ class ServerConfig:
     idle_timeout_s: float = 15.0  # silence from a client before it is dropped
     final_timeout_s: float = 30.0  # wait for the final result after "end"
     send_queue: int = 256  # messages buffered per client before it counts as too slow
+    # A send blocked this long (the client stopped reading and the socket buffers are full)
+    # drops the client: without it a client that keeps sending audio but never reads holds its
+    # slot until `send_queue` results pile up, minutes at one partial per chunk.
+    send_timeout_s: float = 10.0
 
 
 Incoming = dict[str, Any] | bytes  # a parsed JSON message, or a binary frame of raw PCM (WebSocket)
@@ -112,7 +117,7 @@ class _Client:
     def __init__(self, transport: _Transport, maxsize: int):
         self.transport = transport
         self.out: asyncio.Queue[dict | None] = asyncio.Queue(maxsize)
-        self.session: StreamSession | None = None
+        self.session: SessionBase | None = None
         self.final = asyncio.Event()
         self.dropped = False
 
@@ -232,9 +237,13 @@ class StreamServer:
     async def _sender(self, client: _Client) -> None:
         try:
             while (msg := await client.out.get()) is not None:
-                await client.transport.send(msg)
+                await asyncio.wait_for(client.transport.send(msg), self.cfg.send_timeout_s)
         except ConnectionError:  # the client is gone; the handler sees it on its next receive
             log.info("client stopped reading")
+        except asyncio.TimeoutError:
+            log.warning("dropping slow client %s: a send blocked for %s s",
+                        client.session and client.session.stream_id, self.cfg.send_timeout_s)
+            self._drop(client)
 
     def _send(self, client: _Client, msg: dict) -> None:
         if client.dropped:
@@ -304,7 +313,7 @@ class StreamServer:
                 client.final.set()
         self._notify_admitted()
 
-    def _fail(self, sessions: list[StreamSession], message: str) -> None:
+    def _fail(self, sessions: list[SessionBase], message: str) -> None:
         for s in sessions:
             client = self._clients.get(s.stream_id)
             if client is not None:

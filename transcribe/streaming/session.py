@@ -1,4 +1,5 @@
-"""One stream's host-side state: incremental log-mel features, chunking, and its transcript.
+"""One cache-aware stream's host-side state: incremental log-mel features, chunking, and its
+transcript (`SessionBase`, shared with the chunked streams of `chunked_session.py`).
 
 Audio arrives in pieces of any size; `IncrementalLogMel` turns it into exactly the frames that
 `LogMel` computes over the whole recording (center-padded STFT, preemphasis carried across
@@ -102,29 +103,48 @@ class SessionState(enum.Enum):
     FAILED = "failed"  # error or disconnect, slot returned
 
 
-class StreamSession:
-    """Features, chunk cursor and transcript of one stream (not thread-safe; one event loop)."""
+class SessionBase:
+    """What every stream keeps whatever its chunking: identity, slot, state and transcript."""
 
-    def __init__(self, stream_id: str, features: IncrementalLogMel, cfg: StreamingConfig):
+    def __init__(self, stream_id: str, sample_rate: int):
         self.stream_id = stream_id
-        self.features = features
-        self.cfg = cfg
+        self.sample_rate = sample_rate
         self.state = SessionState.WAITING
         self.slot: int | None = None
         self.ended = False  # client sent end of stream
-        self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on
-        self._feat_base = 0
-        self._next = 0  # first feature frame of the next chunk
         self.tokens: list[int] = []
         self.token_frames: list[int] = []
+        self.token_durations: list[int] = []  # TDT predicted durations (empty for RNN-T)
         self.steps = 0
         self.last_audio_time = time.monotonic()  # arrival of the newest audio (latency origin)
         self.audio_seconds = 0.0
 
+    def _arrived(self, audio: np.ndarray) -> None:
+        self.audio_seconds += audio.shape[0] / self.sample_rate
+        self.last_audio_time = time.monotonic()
+
+    def add(self, tokens: list[int], frames: list[int], durations: list[int]) -> None:
+        self.tokens.extend(tokens)
+        self.token_frames.extend(frames)
+        self.token_durations.extend(durations)
+        self.steps += 1
+
+
+class StreamSession(SessionBase):
+    """Features, chunk cursor and transcript of one cache-aware stream (not thread-safe; one
+    event loop)."""
+
+    def __init__(self, stream_id: str, features: IncrementalLogMel, cfg: StreamingConfig):
+        super().__init__(stream_id, features.logmel.cfg.sample_rate)
+        self.features = features
+        self.cfg = cfg
+        self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on
+        self._feat_base = 0
+        self._next = 0  # first feature frame of the next chunk
+
     def push_audio(self, audio: np.ndarray) -> None:
         """float32 mono samples at the model's rate."""
-        self.audio_seconds += audio.shape[0] / self.features.logmel.cfg.sample_rate
-        self.last_audio_time = time.monotonic()
+        self._arrived(audio)
         self._append(self.features.push(audio))
 
     def end(self) -> None:
@@ -167,8 +187,3 @@ class StreamSession:
             return False
         available = self._feat_base + self._feats.shape[1]
         return next_chunk(self._next, available, True, self.cfg) is None
-
-    def add(self, tokens: list[int], frames: list[int]) -> None:
-        self.tokens.extend(tokens)
-        self.token_frames.extend(frames)
-        self.steps += 1

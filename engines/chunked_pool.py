@@ -1,0 +1,114 @@
+"""Chunked ("buffered") streaming of offline-trained models over a slot pool.
+
+NeMo's `speech_to_text_streaming_infer_rnnt.py` semantics: a stream's audio is cut into chunks
+of `chunk` encoder frames; each step encodes the audio window [left | chunk | right] with the
+ordinary full-context `ConformerEncoder`, keeps only the encoder frames of the chunk, and
+continues greedy label-looping decoding from the stream's decoder state after the previous
+chunk (`engines.slot_pool.DecoderSlots`, RNN-T or TDT, with TDT's overshoot carried over).
+
+Features are log-mel over the window's audio, normalised (`per_feature`) over that window, as
+NeMo's script does by running its preprocessor on the audio buffer: a chunk's features, and so
+its encodings, depend on its context and differ from the offline ones unless the window holds
+the whole recording. Every window starts on an encoder-frame boundary (a multiple of
+hop * subsampling samples), so window frame i is stream frame start/frame_samples + i.
+
+`step` batches any set of streams at any positions: rows are encoded together with per-row
+lengths (padded frames masked) and decoded from their own slots' states.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from engines.conformer import ConformerEncoder
+from engines.decode_stages import Hypothesis
+from engines.slot_pool import DecoderSlots, SlotPool
+from engines.stream_pool import pad_features
+from engines.transducer import TransducerDecoder
+from transcribe.features import LogMel
+
+# NeMo's script defaults (chunk_secs=2, left_context_secs=10, right_context_secs=2), also its
+# README's recommended "streaming with 4 s latency" setting for offline-trained Parakeet.
+DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS = 2000, 10000, 2000
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    """Window geometry in encoder frames: `left` context, `chunk` decoded per step, `right`
+    context (lookahead). Theoretical latency = (chunk + right) frames."""
+
+    left: int
+    chunk: int
+    right: int
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.left < 0 or self.right < 0:
+            raise ValueError(f"chunked streaming needs chunk >= 1 and left, right >= 0 encoder frames, got {self}")
+
+    @classmethod
+    def from_ms(cls, chunk_ms: float, left_ms: float, right_ms: float, frame_samples: int, sample_rate: int
+                ) -> "ChunkContext":
+        """Milliseconds -> whole encoder frames, rounded down as NeMo does (int(secs * frames/s));
+        ValueError if the chunk is shorter than one frame or a value is negative."""
+        for name, ms in (("chunk", chunk_ms), ("left context", left_ms), ("right context", right_ms)):
+            if ms < 0:
+                raise ValueError(f"{name} must be >= 0 ms, got {ms}")
+        frame_ms = 1000.0 * frame_samples / sample_rate
+        if chunk_ms < frame_ms:
+            raise ValueError(f"chunk must be at least one encoder frame ({frame_ms:g} ms), got {chunk_ms} ms")
+        return cls(*(int(ms * sample_rate // (1000 * frame_samples)) for ms in (left_ms, chunk_ms, right_ms)))
+
+
+@dataclass(frozen=True)
+class ChunkWindow:
+    """One stream's step: `audio` float32 [n] is the window, starting on an encoder-frame
+    boundary; its first `left_frames` encoder frames are left context; `frames` encoder frames
+    after them are decoded (None: all of them, the stream's last window, which has no right
+    context)."""
+
+    slot: int
+    audio: Tensor
+    left_frames: int
+    frames: int | None
+
+
+class ChunkedStreamPool(SlotPool):
+    """Decoder state for up to `max_streams` chunked streams; see the module docstring."""
+
+    def __init__(self, encoder: ConformerEncoder, decoder: TransducerDecoder, logmel: LogMel, max_streams: int):
+        super().__init__(max_streams)
+        self.encoder, self.logmel = encoder, logmel
+        self.dec = DecoderSlots(decoder, max_streams)
+        self.device = self.dec.device
+
+    def _reset(self, slot: int) -> None:
+        self.dec.reset(slot)
+
+    def features(self, audio: Tensor) -> Tensor:
+        """float32 [n] -> [n_mels, valid frames], normalised over this window alone. One row at
+        a time: a batched LogMel would sum in another order and make batching change results."""
+        feats, flen = self.logmel(audio[None].float(), torch.tensor([audio.shape[0]]))
+        return feats[0, :, : int(flen[0])]
+
+    @torch.inference_mode()
+    def step(self, windows: Sequence[ChunkWindow]) -> list[Hypothesis]:
+        """Encode each window, keep its chunk's frames, decode them continuing its slot (distinct
+        slots). Returns per window the NEW tokens, frames counted from the stream's start."""
+        if not windows:
+            return []
+        idx = torch.tensor([w.slot for w in windows], dtype=torch.int64, device=self.device)
+        feats, lengths = pad_features([self.features(w.audio) for w in windows], self.device)
+        enc, enc_len = self.encoder(feats, lengths)  # [B, D, T], [B]
+        left = torch.tensor([w.left_frames for w in windows], dtype=torch.int64, device=self.device)
+        rest = (enc_len - left).clamp(min=0)  # frames after the left context
+        want = torch.tensor([-1 if w.frames is None else w.frames for w in windows], dtype=torch.int64,
+                            device=self.device)
+        n = torch.where(want < 0, rest, torch.minimum(want, rest))
+        t = max(int(n.max()), 1)
+        # Row b's chunk: its frames left[b] ... left[b] + n[b] - 1, left-aligned.
+        pick = (left[:, None] + torch.arange(t, device=self.device)).clamp(max=enc.size(2) - 1)
+        chunk = enc.transpose(1, 2).gather(1, pick[:, :, None].expand(-1, -1, enc.size(1)))
+        return self.dec.decode(idx, chunk, n)

@@ -1,0 +1,106 @@
+"""The encoder as a TensorRT engine (built and cached by `engines.encoder_tensorrt_build`).
+
+One engine holds one optimization profile per length bucket (`BucketProfile`), in the order
+of the backend's profiles. A call picks the narrowest profile whose width range holds the
+batch, makes it active on torch's current CUDA stream (only when it changes), sets the input
+shapes, binds torch tensors by address and enqueues the engine on that stream: no host sync,
+and the result is ordered with the torch work before and after it. Batches wider than the
+widest profile run in the eager torch encoder (logged once); batches with more rows than the
+profile's max_batch run as chunks of max_batch rows.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from engines.conformer import ConformerEncoder
+from engines.encoder_backend import BucketProfile, FallbackLog, bucket_edges, in_chunks, pick_profile
+from engines.encoder_onnx import INPUTS, OUTPUTS
+from engines.encoder_tensorrt_build import ensure_engine, import_tensorrt
+
+log = logging.getLogger(__name__)
+
+
+def _torch_dtype(trt, dtype) -> torch.dtype:
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int32: torch.int32, trt.int64: torch.int64}
+    if dtype not in table:
+        raise ValueError(f"TensorRT engine tensor type {dtype} has no torch equivalent here")
+    return table[dtype]
+
+
+class TensorRTEncoder:
+    """A deserialized encoder engine behind the backend interface; `encoder` is the eager
+    fallback for shapes beyond the profiles."""
+
+    name = "tensorrt"
+
+    def __init__(self, engine_path: str | os.PathLike, profiles: Sequence[BucketProfile], encoder: ConformerEncoder):
+        trt = import_tensorrt()
+        self._trt = trt
+        self.encoder = encoder
+        self.device = encoder.pos_enc.pe.device
+        if self.device.type != "cuda":
+            raise ValueError(f"encoder backend 'tensorrt' needs the encoder on a CUDA device, not {self.device}")
+        self.profiles = tuple(profiles)
+        self.bucket_edges_s = bucket_edges(self.profiles)
+        self.engine_path = Path(engine_path)
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        with torch.cuda.device(self.device):
+            self._engine = self._runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
+            if self._engine is None:
+                raise RuntimeError(f"TensorRT could not load {self.engine_path}: delete it to rebuild")
+            if self._engine.num_optimization_profiles != len(self.profiles):
+                raise ValueError(f"{self.engine_path} has {self._engine.num_optimization_profiles} profiles, "
+                                 f"expected {len(self.profiles)}")
+            self._context = self._engine.create_execution_context()
+        self._dtypes = {n: _torch_dtype(trt, self._engine.get_tensor_dtype(n)) for n in INPUTS + OUTPUTS}
+        self._active: int | None = None  # the context's optimization profile
+        self._fallback = FallbackLog(self.name)
+
+    @classmethod
+    def from_nemo(cls, nemo_path: str | os.PathLike, encoder: ConformerEncoder, profiles: Sequence[BucketProfile],
+                  precision: str = "fp16", cache_dir: str | os.PathLike | None = None) -> "TensorRTEncoder":
+        """Load the cached engine for this model and GPU, building it first (minutes) if missing."""
+        device = encoder.pos_enc.pe.device
+        path, built = ensure_engine(nemo_path, profiles, encoder.cfg.feat_in, precision, cache_dir, device)
+        log.info("TensorRT encoder engine %s %s", "built:" if built else "from cache:", path)
+        return cls(path, profiles, encoder)
+
+    def reserve(self, max_items: int) -> None:
+        """Nothing to prepare: the engine was built (or loaded) when this backend was made."""
+
+    def __call__(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """features [B, n_mels, W] float32, lengths [B] int64 -> ([B, D, T'] float32, [B] int64)."""
+        p = pick_profile(self.profiles, features.size(2))
+        if p is None:
+            self._fallback(features.shape, f"is wider than the widest profile ({self.profiles[-1].frames} frames)")
+            return self.encoder(features, lengths)
+        return in_chunks(lambda f, n: self._run(self.profiles.index(p), f, n), features, lengths, p.max_batch)
+
+    def _run(self, profile: int, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        ctx, stream = self._context, torch.cuda.current_stream(self.device).cuda_stream
+        if profile != self._active:
+            if not ctx.set_optimization_profile_async(profile, stream):
+                raise RuntimeError(f"TensorRT refused optimization profile {profile}")
+            self._active = profile
+        inputs = {"features": features.to(self._dtypes["features"]).contiguous(),
+                  "lengths": lengths.to(self._dtypes["lengths"]).contiguous()}
+        for name, t in inputs.items():
+            if not ctx.set_input_shape(name, tuple(t.shape)):
+                raise RuntimeError(f"TensorRT rejected {name} shape {list(t.shape)} for profile {profile}")
+        # Output shapes follow from the input shapes on the host: no device sync.
+        outputs = {n: torch.empty(tuple(ctx.get_tensor_shape(n)), dtype=self._dtypes[n], device=self.device)
+                   for n in OUTPUTS}
+        for name, t in {**inputs, **outputs}.items():
+            ctx.set_tensor_address(name, t.data_ptr())
+        if not ctx.execute_async_v3(stream):
+            raise RuntimeError("TensorRT failed to enqueue the encoder engine")
+        # The inputs may be freed on return: torch's allocator reuses them only in stream order.
+        encoded, encoded_lengths = outputs["encoded"], outputs["encoded_lengths"]
+        return encoded.float(), encoded_lengths.to(torch.int64)

@@ -1,0 +1,143 @@
+"""What every streaming pool shares: slot bookkeeping and the per-slot transducer decoder state.
+
+`SlotPool` hands out and takes back slot indices of a pool preallocated for `max_streams`
+streams; a subclass resets its own per-slot tensors in `_reset`. `DecoderSlots` holds what a
+stream's greedy decoding carries from one chunk to the next and continues it over a new chunk
+of encoder frames with the offline label-looping stage functions (`engines.decode_stages`):
+
+    h, c      [Lr, S, H]  prediction-net LSTM state after the stream's last label
+    pred_out  [S, J]      projected prediction-net output for that label
+    time_jump [S]         frames the last chunk's final step jumped past its end (TDT: a label
+                          or blank whose predicted duration overshoots the chunk; the next chunk
+                          starts decoding that many frames in, as NeMo's `time_jumps`)
+    frames    [S]         encoder frames decoded so far (token frames are stream-absolute)
+
+Both the cache-aware pool (`engines.stream_pool`) and the chunked one (`engines.chunked_pool`)
+use these, so RNN-T and TDT decode the same way in either.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engines.decode_stages import DecodeState, Hypothesis, collect, run_label_looping
+from engines.transducer import TransducerDecoder
+
+
+class PoolExhausted(RuntimeError):
+    """All `max_streams` slots are in use."""
+
+
+class SlotPool:
+    """Slot indices 0 .. max_streams-1; `acquire` takes one, `release` resets and returns it."""
+
+    def __init__(self, max_streams: int):
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        self.max_streams = max_streams
+        self._free = list(range(max_streams - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """A fresh slot index; PoolExhausted when all are taken (callers queue and retry)."""
+        if not self._free:
+            raise PoolExhausted(f"all {self.max_streams} stream slots are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Reset the slot and return it (idempotent: a slot already free is left alone)."""
+        if not 0 <= slot < self.max_streams:
+            raise ValueError(f"slot {slot} is outside the pool (0..{self.max_streams - 1})")
+        if slot in self._free:
+            return
+        self._reset(slot)
+        self._free.append(slot)
+
+    def _reset(self, slot: int) -> None:
+        raise NotImplementedError  # each pool resets its own per-slot tensors
+
+
+class DecoderSlots:
+    """Per-slot decoder state of a pool (see the module docstring) and its continuation."""
+
+    def __init__(self, decoder: TransducerDecoder, max_streams: int):
+        self.decoder = decoder
+        ref = next(iter(decoder.joint.parameters()))
+        self.device, self.dtype = ref.device, ref.dtype
+        cfg = decoder.config
+        self.duration_table = torch.tensor(cfg.durations, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self._sos = self._prime()  # (h, c, pred_out) after the blank (SOS) symbol, batch 1
+        h0, c0, g0 = self._sos
+        self.h = h0.repeat(1, max_streams, 1)
+        self.c = c0.repeat(1, max_streams, 1)
+        self.pred_out = g0.repeat(max_streams, 1)
+        self.time_jump = torch.zeros(max_streams, dtype=torch.int64, device=self.device)
+        self.frames = torch.zeros(max_streams, dtype=torch.int64, device=self.device)
+
+    def _prime(self) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.decoder.config
+        sos = torch.full((1,), cfg.blank_id, dtype=torch.long, device=self.device)
+        hc0 = torch.zeros(cfg.pred_rnn_layers, 1, cfg.pred_hidden, dtype=self.dtype, device=self.device)
+        out, (h, c) = self.decoder.prediction.step(sos, (hc0, hc0.clone()))
+        return h, c, self.decoder.joint.pred(out)
+
+    def reset(self, slot: int) -> None:
+        h0, c0, g0 = self._sos
+        self.h[:, slot] = h0[:, 0]
+        self.c[:, slot] = c0[:, 0]
+        self.pred_out[slot] = g0[0]
+        self.time_jump[slot] = 0
+        self.frames[slot] = 0
+
+    def decode(self, idx: Tensor, enc: Tensor, enc_len: Tensor) -> list[Hypothesis]:
+        """Label-looping over enc [B, T, D] (row b = slot idx[b], enc_len[b] valid frames),
+        continuing each slot's state; returns the NEW tokens with stream-absolute frames."""
+        dec = self.decoder
+        enc_len = enc_len.to(device=self.device, dtype=torch.long)
+        state = continue_state(dec.joint.enc(enc), enc_len, self.h.index_select(1, idx),
+                               self.c.index_select(1, idx), self.pred_out.index_select(0, idx),
+                               self.time_jump.index_select(0, idx), self.duration_table,
+                               dec.config.blank_id, dec.config.max_symbols)
+        run_label_looping(state, dec.prediction, dec.joint, dec.config)
+        self.h.index_copy_(1, idx, state.h)  # same as: h[:, idx] = state.h
+        self.c.index_copy_(1, idx, state.c)
+        self.pred_out.index_copy_(0, idx, state.pred_out)
+        # Every row ends inactive (time >= length): what is past the end starts the next chunk.
+        self.time_jump.index_copy_(0, idx, state.time - enc_len)  # same as: time_jump[idx] = time - len
+        hyps = collect(state, with_durations=dec.config.is_tdt)
+        offsets = self.frames.index_select(0, idx).tolist()
+        self.frames.index_add_(0, idx, enc_len)  # same as: frames[idx] += enc_len
+        return [Hypothesis(h.tokens, [f + off for f in h.frames], h.durations) for h, off in zip(hyps, offsets)]
+
+
+def continue_state(enc_proj: Tensor, lengths: Tensor, h: Tensor, c: Tensor, pred_out: Tensor,
+                   time_jump: Tensor, duration_table: Tensor, blank_id: int, max_symbols: int) -> DecodeState:
+    """A `DecodeState` over a new chunk that starts from each row's previous decoder state
+    (LSTM h, c [Lr, B, H] and projected prediction pred_out [B, J] after its last label)
+    instead of priming with SOS, at frame time_jump [B] (0 unless the previous chunk's last
+    TDT step overshot its end). enc_proj [B, T, J], lengths [B] valid frames; duration_table
+    [K] long (empty for RNN-T). The max_symbols counters start afresh, as in NeMo."""
+    B, T, _ = enc_proj.shape
+    dev = enc_proj.device
+    lengths = lengths.to(device=dev, dtype=torch.long)
+    time = time_jump.to(device=dev, dtype=torch.long).clone()
+    last_frame = (lengths - 1).clamp(min=0)
+    zeros = torch.zeros(B, dtype=torch.long, device=dev)
+    no = torch.zeros(B, dtype=torch.bool, device=dev)
+    capacity = T * max_symbols + 1
+    return DecodeState(
+        enc_proj=enc_proj, lengths=lengths, last_frame=last_frame,
+        batch_idx=torch.arange(B, device=dev), duration_table=duration_table,
+        time=time, safe_time=torch.minimum(time, last_frame), label_time=zeros.clone(),
+        labels=torch.full((B,), blank_id, dtype=torch.long, device=dev), step_durations=zeros.clone(),
+        active=time < lengths, active_prev=no.clone(), advance=no.clone(), found=no.clone(),
+        pred_out=pred_out, h=h, c=c,
+        tokens=torch.zeros(B, capacity, dtype=torch.long, device=dev),
+        frames=torch.zeros(B, capacity, dtype=torch.long, device=dev),
+        durations=torch.zeros(B, capacity, dtype=torch.long, device=dev),
+        count=zeros.clone(), last_emit_frame=torch.full_like(zeros, -1), same_frame_count=zeros.clone(),
+    )

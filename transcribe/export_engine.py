@@ -1,0 +1,95 @@
+"""`transcribe export-engine`: build the TensorRT encoder engine ahead of time, or write the ONNX.
+
+The engine lands in the same cache (and under the same key) that `--encoder-backend tensorrt`
+looks in, so a later run starts without the minutes-long build, as long as it uses the same
+precision and profiles (`--max-batch`, `--batch-seconds`). `--onnx PATH` also writes the
+exported encoder; `--onnx-only` stops there, which needs neither a GPU nor TensorRT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from engines.encoder_backend import DEFAULT_BATCH_SECONDS, DEFAULT_MAX_BATCH, BackendOptions, feature_profiles
+from engines.encoder_tensorrt_build import PRECISIONS, TENSORRT_HINT, default_cache_dir, model_digest
+
+EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE = 0, 1, 2
+
+
+class ExportError(Exception):
+    """A reason the export cannot run, with the exit status to end with."""
+
+    def __init__(self, message: str, code: int = EXIT_NOTHING_RAN):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    model: str | None
+    precision: str = "fp16"
+    cache_dir: Path | None = None
+    onnx: Path | None = None
+    onnx_only: bool = False
+    max_batch: int = DEFAULT_MAX_BATCH
+    batch_seconds: float = DEFAULT_BATCH_SECONDS
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch {self.max_batch}: expected >= 1")
+
+
+def _nemo_path(model: str | None) -> Path:
+    from engines.checkpoint import REGISTRY, resolve_checkpoint
+    from engines.loader import WHISPER_NAMES, choose_model, is_whisper_path
+
+    name = choose_model(model)
+    entry = REGISTRY.get(name)
+    if name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
+        raise ExportError(f"{name} is a Whisper model: export-engine builds Parakeet (.nemo) encoders only")
+    return resolve_checkpoint(name)
+
+
+def _tensorrt_ready() -> None:
+    """Raise ExportError (exit 1) unless the tensorrt package imports and a CUDA GPU is present."""
+    import torch
+
+    from engines.encoder_tensorrt_build import TensorRTUnavailable, import_tensorrt
+
+    try:
+        import_tensorrt()
+    except TensorRTUnavailable as e:
+        raise ExportError(f"building a TensorRT engine needs the `tensorrt` package, which is not installed: "
+                          f"{TENSORRT_HINT} ({e.__cause__})") from e
+    if not torch.cuda.is_available():
+        raise ExportError("building a TensorRT engine needs a CUDA GPU (the engine is specific to the GPU model)")
+
+
+def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> int:
+    """Run the export; returns the exit status (0 done). ExportError carries failures."""
+    from engines.checkpoint import CheckpointError, NemoArchive
+    from engines.encoder_tensorrt_build import ensure_engine, export_onnx
+    from transcribe.features import FeatureConfig
+
+    if not req.onnx_only and req.onnx is None:
+        _tensorrt_ready()  # fail fast: nothing else was asked for
+    try:
+        nemo = _nemo_path(req.model)
+        with NemoArchive(nemo) as archive:
+            fcfg = FeatureConfig.from_nemo(archive.config["preprocessor"])
+    except (CheckpointError, ValueError, OSError) as e:
+        raise ExportError(f"cannot load model: {e}") from e
+    cache_dir = req.cache_dir or default_cache_dir()
+    if req.onnx is not None or req.onnx_only:
+        out = req.onnx or cache_dir / "onnx" / f"{nemo.stem}-{model_digest(nemo, cache_dir)[:16]}.onnx"
+        echo(f"encoder ONNX -> {export_onnx(nemo, out)}")
+        if req.onnx_only:
+            return EXIT_OK
+        _tensorrt_ready()
+    profiles = feature_profiles(fcfg, BackendOptions(req.max_batch, req.batch_seconds, req.precision))
+    path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir)
+    echo(f"TensorRT engine ({req.precision}, {len(profiles)} profiles) {'built' if built else 'already cached'}: {path}")
+    return EXIT_OK
