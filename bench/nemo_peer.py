@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""NeMo peer for the speed/accuracy comparison: NVIDIA NeMo's own `transcribe()` on CPU.
+"""NeMo peer for the speed/accuracy comparison: NVIDIA NeMo's own `transcribe()` (CPU or CUDA).
 
 Runs INSIDE the NeMo virtualenv (see bench/README.md), never with the project's venv; from
 this repository it imports only `transcribe.bench.normalize_text` (standard library only), so
@@ -8,7 +8,12 @@ both peers' WER use the very same normalisation.
     /work/venvs/nemo/bin/python bench/nemo_peer.py --model M.nemo --manifest test.jsonl \
         --batch-size 8 --threads 2 --json out.json
 
-The model is loaded with `ASRModel.restore_from(..., map_location="cpu")`, kept in fp32,
+On CUDA (`--device cuda`) the greedy_batch decoding is switched to NeMo's label-looping
+decoder with CUDA graphs (`use_cuda_graph_decoder=True`, its fastest greedy mode: full graph
+with conditional nodes where the driver allows, else its own fallbacks), `--dtype` may be
+bf16/fp16 (autocast, as NeMo's transcribe scripts do), and the peak GPU memory is reported.
+
+The model is loaded with `ASRModel.restore_from(..., map_location=device)`, kept in fp32,
 put in eval mode, and every file of the manifest is transcribed by ONE call of
 `model.transcribe(paths, batch_size=N)` with the decoding configured in the checkpoint
 (greedy / greedy_batch for the Parakeet checkpoints). Timings:
@@ -108,6 +113,16 @@ def hyp_text(h) -> str:
     return t if isinstance(t, str) else str(t)
 
 
+def _use_cuda_graph_decoder(model, open_dict) -> None:
+    """NeMo's fastest greedy decoding: greedy_batch label looping with CUDA graphs."""
+    cfg = model.cfg.decoding
+    with open_dict(cfg):
+        cfg.strategy = "greedy_batch"
+        cfg.greedy.use_cuda_graph_decoder = True
+        cfg.greedy.loop_labels = True
+    model.change_decoding_strategy(cfg, verbose=False)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="path to a .nemo archive")
@@ -116,6 +131,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (also OMP/MKL env)")
     ap.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
     ap.add_argument("--limit", type=int, default=0, help="only the first N files (0: all)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                    help="CUDA only: autocast dtype for transcribe() (weights stay fp32)")
+    ap.add_argument("--repeat", type=int, default=1, help="transcribe the manifest's files this many times")
     a = ap.parse_args()
 
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -138,6 +157,7 @@ def main() -> int:
     rows = read_manifest(a.manifest)
     if a.limit:
         rows = rows[: a.limit]
+    rows = rows * max(a.repeat, 1)
     paths = [p for p, _, _ in rows]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
@@ -146,17 +166,28 @@ def main() -> int:
     audio_s = audio_seconds_of(paths)
 
     t0, c0 = time.perf_counter(), time.process_time()
-    model = ASRModel.restore_from(os.path.abspath(a.model), map_location=torch.device("cpu"))
+    device = torch.device(a.device)
+    model = ASRModel.restore_from(os.path.abspath(a.model), map_location=device)
     model = model.to(torch.float32).eval()
+    if device.type == "cuda":
+        _use_cuda_graph_decoder(model, open_dict)
     # archives written without a dataset config: transcribe() reads this key
     with open_dict(model.cfg):
         if model.cfg.get("validation_ds") is None:
             model.cfg.validation_ds = {"use_start_end_token": False}
     load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
 
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    dtype = getattr(torch, a.dtype)
+    autocast = torch.autocast("cuda", dtype=dtype, enabled=cuda and dtype != torch.float32)
     t0, c0 = time.perf_counter(), time.process_time()
-    with torch.inference_mode():
+    with torch.inference_mode(), autocast:
         out = model.transcribe(paths, batch_size=a.batch_size, verbose=False)
+    if cuda:
+        torch.cuda.synchronize()
     transcribe_s, transcribe_cpu = time.perf_counter() - t0, time.process_time() - c0
     if isinstance(out, tuple):  # hybrid / older APIs return (best, all)
         out = out[0]
@@ -181,9 +212,13 @@ def main() -> int:
         "rtfx_steady": round(audio_s / transcribe_s, 3) if transcribe_s > 0 else None,
         "batch_size": a.batch_size,
         "threads": torch.get_num_threads(),
-        "device": "cpu",
-        "dtype": "float32",
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "dtype": a.dtype if cuda else "float32",
         "decoding": str(model.cfg.get("decoding", {}).get("strategy", "")),
+        "cuda_graph_decoder": bool(model.cfg.decoding.get("greedy", {}).get("use_cuda_graph_decoder", False))
+        if model.cfg.get("decoding") else False,
         "wer": wer,
         "wer_words": n_words,
         "wer_normalisation": WER_NORMALISATION,

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""GPU benchmark (issue 5): RTFx from files per encoder backend and decoder mode, decoder-only
+speed per mode, per-stage seconds and peak GPU memory, and NeMo's `transcribe()` with its
+CUDA-graph decoder on the same GPU in the same run.
+
+    python bench/gpu_bench.py --model parakeet_tdt_0.6b_v2_random.nemo \
+        --audio ../shared/data/speech/librispeech_test_other --min-hours 1 \
+        --nemo-python python3 --json bench/results/gpu.json
+
+The audio folder (or manifest) is repeated through symlinked copies (rep000/, rep001/, ...)
+until it holds `--min-hours`, so every run sees the same >= 1 h of real speech as distinct
+files. Each configuration is a full pipeline run (`transcribe.pipeline.run`: workers decode,
+resample and compute features into shared memory, the engine batches by length bucket) on a
+freshly loaded engine; RTFx = audio seconds / wall seconds of that run (model load and graph
+capture excluded and reported apart). Transcripts of every configuration are compared with
+the first one (torch encoder, eager decoder): `mismatched_files` must be 0.
+
+Decoder-only: encoder outputs of a few real batches are decoded `--decoder-reps` times per mode
+after a warm-up, with the device synchronised around the timed span; speed-up vs eager.
+The NeMo peer runs `bench/nemo_peer.py --device cuda` in `--nemo-python` (an interpreter
+with nemo_toolkit) on the same repeated manifest.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import soundfile as sf
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engines.parakeet import ParakeetEngine  # noqa: E402
+from transcribe.inputs import discover  # noqa: E402
+from transcribe.pipeline import run  # noqa: E402
+from transcribe.workers import Prespawned, default_workers  # noqa: E402
+
+BASELINE = ("torch", "eager")
+
+
+def repeat_inputs(src: Path, min_hours: float, dest: Path) -> tuple[Path, float, int]:
+    """Symlinked copies of the audio under `src` in dest/repNNN/ until >= min_hours; a manifest
+    of them (with references) is written to dest/manifest.jsonl for the NeMo peer."""
+    files = discover([str(src)])
+    if not files:
+        raise SystemExit(f"error: no audio under {src}")
+    once = sum(sf.info(str(f.path)).duration for f in files)
+    reps = max(1, int(-(-min_hours * 3600 // once)))
+    rows = []
+    for k in range(reps):
+        for f in files:
+            link = dest / f"rep{k:03d}" / f.rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(f.path)
+            rows.append({"audio_filepath": str(link), "text": f.reference})
+    manifest = dest / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest, once * reps, reps
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def pipeline_run(model: str, manifest: Path, backend: str, mode: str, a) -> dict:
+    """One configuration end to end from files; its transcripts are returned for comparison."""
+    _free()
+    t0 = time.perf_counter()
+    # Workers start while the model loads, as in the CLI: their spawn is not in the timed run.
+    with Prespawned(a.workers or default_workers()) as spares, tempfile.TemporaryDirectory() as out:
+        engine = ParakeetEngine.from_nemo(model, a.device, encoder_backend=backend, decoder_mode=mode)
+        engine.reserve(64)  # the pipeline reserves again for its own batch size; graphs are kept
+        _sync(a.device)
+        load_s = time.perf_counter() - t0
+        stats = run(engine, discover([str(manifest)]), Path(out), ["txt"], batch_seconds=a.batch_seconds,
+                    force=True, workers=a.workers, progress=False, prespawned=spares)
+    row = {
+        "encoder_backend": backend, "decoder_mode_requested": mode, "runtime": engine.runtime,
+        "load_and_capture_seconds": round(load_s, 2), "audio_seconds": round(stats.audio_seconds, 1),
+        "wall_seconds": round(stats.wall_seconds, 3), "rtfx": round(stats.rtfx, 1),
+        "files_failed": stats.files_failed, "padding_fraction": round(stats.padding_fraction, 4),
+        "stages": {k: round(v, 3) for k, v in sorted(stats.stage_seconds.items())},
+        "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated() if a.device.startswith("cuda") else None,
+    }
+    texts = {str(p): t for p, t in stats.texts.items()}
+    del engine
+    return {"row": row, "texts": texts}
+
+
+@torch.inference_mode()
+def decoder_only(model: str, manifest: Path, modes: list[str], reps: int, batch: int, device: str) -> list[dict]:
+    """Decoder speed per mode on the same encoder outputs (real speech, `batch` pieces a batch)."""
+    _free()
+    engine = ParakeetEngine.from_nemo(model, device, encoder_backend="torch", decoder_mode="eager")
+    files = [f.path for f in discover([str(manifest)])][: batch * 4]
+    batches = []
+    for i in range(0, len(files), batch):
+        feats = [torch.from_numpy(engine.frontend(sf.read(str(p), dtype="float32")[0])) for p in files[i:i + batch]]
+        x, n = engine._batch(feats)
+        batches.append(engine.encoder_backend(x, n))
+    dec, rows, ref = engine.decoder, [], None
+    for mode in modes:
+        chosen = dec.set_mode(mode)
+        outs = [[h.tokens for h in dec.decode(e.clone(), n)] for e, n in batches]  # warm-up + capture
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            for e, n in batches:
+                dec.decode(e, n)
+        _sync(device)
+        sec = (time.perf_counter() - t0) / reps
+        ref = ref if ref is not None else outs
+        rows.append({"mode_requested": mode, "mode": chosen, "seconds_per_pass": round(sec, 5),
+                     "identical_to_first": outs == ref})
+    eager = next((r["seconds_per_pass"] for r in rows if r["mode"] == "eager"), None)
+    for r in rows:
+        r["speedup_vs_eager"] = round(eager / r["seconds_per_pass"], 2) if eager else None
+    return rows
+
+
+def nemo_peer(a, manifest: Path, out: Path) -> dict | None:
+    cmd = [a.nemo_python, str(Path(__file__).with_name("nemo_peer.py")), "--model", a.model, "--manifest",
+           str(manifest), "--device", a.device, "--batch-size", str(a.nemo_batch_size), "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(f"NeMo peer failed ({p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
+        return None
+    r = json.loads(out.read_text())
+    r.pop("texts", None)
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--audio", required=True, help="folder or manifest of real speech (repeated to --min-hours)")
+    ap.add_argument("--min-hours", type=float, default=1.0)
+    ap.add_argument("--backends", default="torch,cuda-graphs,tensorrt")
+    ap.add_argument("--modes", default="eager,unrolled,full-graph")
+    ap.add_argument("--batch-seconds", type=float, default=600.0)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--decoder-reps", type=int, default=5)
+    ap.add_argument("--decoder-batch", type=int, default=32)
+    ap.add_argument("--nemo-python", default=None, help="interpreter with nemo_toolkit (omit: no peer)")
+    ap.add_argument("--nemo-batch-size", type=int, default=32)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda (the bench); cpu only smoke-tests this script")
+    a = ap.parse_args()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print("error: no CUDA device (--device cpu only smoke-tests the script)", file=sys.stderr)
+        return 1
+    modes, backends = a.modes.split(","), a.backends.split(",")
+    gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
+    report: dict = {"gpu": gpu, "torch": torch.__version__, "model": a.model}
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        manifest, audio_s, reps = repeat_inputs(Path(a.audio), a.min_hours, Path(tmp))
+        report.update(audio_seconds=round(audio_s, 1), repeats=reps)
+        configs = [BASELINE] + [(b, "auto") for b in backends if b != "torch"] + [("cuda-graphs", m) for m in modes]
+        runs, base = [], None
+        for backend, mode in dict.fromkeys(configs):
+            try:
+                res = pipeline_run(a.model, manifest, backend, mode, a)
+            except (RuntimeError, ValueError, ImportError) as e:  # e.g. tensorrt missing: say so, go on
+                runs.append({"encoder_backend": backend, "decoder_mode_requested": mode, "error": f"{type(e).__name__}: {e}"})
+                print(f"{backend}/{mode}: {e}", file=sys.stderr)
+                continue
+            base = base if base is not None else res["texts"]
+            res["row"]["mismatched_files"] = sum(res["texts"].get(k) != v for k, v in base.items())
+            runs.append(res["row"])
+            print(json.dumps(res["row"]), flush=True)
+        report["runs"] = runs
+        report["decoder_only"] = decoder_only(a.model, manifest, modes, a.decoder_reps, a.decoder_batch, a.device)
+        print(json.dumps(report["decoder_only"]), flush=True)
+        if a.nemo_python:
+            report["nemo"] = nemo_peer(a, manifest, Path(tmp) / "nemo.json")
+    best = max((r for r in runs if "rtfx" in r), key=lambda r: r["rtfx"], default=None)
+    nemo_rtfx = (report.get("nemo") or {}).get("rtfx_steady")
+    if best and nemo_rtfx:
+        report["best_vs_nemo"] = round(best["rtfx"] / nemo_rtfx, 2)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{report['gpu']}: {report['audio_seconds'] / 3600:.2f} h; best RTFx "
+          f"{best['rtfx'] if best else None} ({best['runtime'] if best else '-'}); NeMo RTFx {nemo_rtfx}; "
+          f"ratio {report.get('best_vs_nemo')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
