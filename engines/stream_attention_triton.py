@@ -29,6 +29,7 @@ which is how the tests check them without a GPU.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
 import os
@@ -65,12 +66,9 @@ def _pow2(n: int, least: int = 16) -> int:
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether `triton` imports (the kernels themselves are built on first use)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether `triton` is installed, found without importing it (an import costs ~1 s, and
+    the kernels themselves are built on first use anyway, where a broken install raises)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def _kernel_unusable(attn: nn.Module, x: Tensor, cache: Tensor) -> str | None:
