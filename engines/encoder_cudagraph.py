@@ -134,7 +134,9 @@ class CudaGraphEncoder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the pipeline's pool thread keeps running during a lazy capture; its
+        # (CUDA-free) work must not be able to invalidate this thread's capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         self.graphs[key] = graph
         return graph
