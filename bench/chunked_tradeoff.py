@@ -33,16 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transcribe.bench import wer  # noqa: E402
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel  # noqa: E402
+from transcribe.bench import edit_distance  # noqa: E402
 from transcribe.streaming.session import SessionState  # noqa: E402
-
-
-def edit_distance(a: list, b: list) -> int:
-    d = list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        prev, d[0] = d[:], i
-        for j in range(1, len(b) + 1):
-            d[j] = min(prev[j] + 1, d[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
-    return d[-1]
 
 
 def load_files(manifest: Path, n: int) -> list[dict]:

@@ -49,17 +49,7 @@ WER_NORMALISATION = (
     "word-edge apostrophes dropped, whitespace collapsed"
 )
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transcribe.bench import normalize_text  # noqa: E402  (repo root on the path first)
-
-
-def _edit_distance(ref: list, hyp: list) -> int:
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        cur = [i] + [0] * len(hyp)
-        for j, h in enumerate(hyp, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
-        prev = cur
-    return prev[-1]
+from transcribe.bench import edit_distance, normalize_text  # noqa: E402  (repo root on the path first)
 
 
 def corpus_wer(refs: list, hyps: list):
@@ -74,7 +64,7 @@ def corpus_wer(refs: list, hyps: list):
 
         return float(jiwer.process_words([r for r, _ in pairs], [h for _, h in pairs]).wer), n_words
     except ImportError:
-        edits = sum(_edit_distance(r.split(), h.split()) for r, h in pairs)
+        edits = sum(edit_distance(r.split(), h.split()) for r, h in pairs)
         return edits / n_words, n_words
 
 

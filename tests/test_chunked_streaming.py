@@ -14,6 +14,7 @@ from conftest import NEMO_REF, needs_shared
 from engines.chunked_pool import ChunkContext, ChunkWindow
 from engines.decode_stages import label_looping_decode
 from engines.slot_pool import PoolExhausted
+from transcribe.bench import edit_distance
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionState
 
@@ -168,18 +169,9 @@ def test_limited_context_stays_close_to_offline(variant):
     errors = total = 0
     for f in files:
         s, _ = _stream(model, f["samples"])
-        errors += _edit_distance(s.tokens, f["tokens"])
+        errors += edit_distance(s.tokens, f["tokens"])
         total += len(f["tokens"])
     assert errors / total < 0.25
-
-
-def _edit_distance(a: list[int], b: list[int]) -> int:
-    d = list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        prev, d[0] = d[:], i
-        for j in range(1, len(b) + 1):
-            d[j] = min(prev[j] + 1, d[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
-    return d[-1]
 
 
 def test_batched_at_different_positions_equals_alone(variant):

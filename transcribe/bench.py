@@ -26,6 +26,17 @@ def normalize_text(text: str) -> str:
     return " ".join(t.split())
 
 
+def edit_distance(a: list, b: list) -> int:
+    """Levenshtein distance between two sequences (words, token ids): insertions, deletions and
+    substitutions each cost 1. Standard library only: the NeMo peer's venv imports it too."""
+    d = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        prev, d[0] = d[:], i
+        for j in range(1, len(b) + 1):
+            d[j] = min(prev[j] + 1, d[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+    return d[-1]
+
+
 def wer(references: list[str], hypotheses: list[str]) -> float | None:
     """Corpus WER (total edits / total reference words) after `normalize_text`; None if empty."""
     import jiwer
