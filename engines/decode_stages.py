@@ -107,10 +107,9 @@ def state_view(buffers: DecodeBuffers, enc_proj: torch.Tensor) -> DecodeState:
                        h=buffers.h[:, :B], c=buffers.c[:, :B], **v, **out_bufs)
 
 
-def reset_state(state: DecodeState, lengths: torch.Tensor, prediction: "PredictionNetwork", joint: "Joint",
-                cfg: "TransducerConfig") -> None:
-    """Start decoding: clear the state in place and prime the prediction network with the blank
-    (SOS) symbol. Capture-safe (no host sync, fixed shapes): graph modes capture it."""
+def clear_state(state: DecodeState, lengths: torch.Tensor, cfg: "TransducerConfig") -> None:
+    """Every loop variable and output back to the start, for `lengths` valid frames, in place;
+    the prediction-network state (h, c, pred_out) is left to the caller."""
     for name in (*_LONG_FIELDS, *_BOOL_FIELDS, *_OUTPUT_FIELDS):
         getattr(state, name).zero_()
     state.lengths.copy_(lengths)
@@ -119,6 +118,13 @@ def reset_state(state: DecodeState, lengths: torch.Tensor, prediction: "Predicti
     state.labels.fill_(cfg.blank_id)
     state.last_emit_frame.fill_(-1)
     torch.greater(state.lengths, 0, out=state.active)
+
+
+def reset_state(state: DecodeState, lengths: torch.Tensor, prediction: "PredictionNetwork", joint: "Joint",
+                cfg: "TransducerConfig") -> None:
+    """Start decoding: clear the state in place and prime the prediction network with the blank
+    (SOS) symbol. Capture-safe (no host sync, fixed shapes): graph modes capture it."""
+    clear_state(state, lengths, cfg)
     state.h.zero_()
     state.c.zero_()
     out, (h1, c1) = prediction.step(state.labels, (state.h, state.c))

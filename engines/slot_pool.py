@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engines.decode_stages import DecodeState, Hypothesis, collect, run_label_looping
-from engines.transducer import TransducerDecoder
+from engines.decode_stages import (DecodeBuffers, DecodeState, Hypothesis, clear_state, collect, run_label_looping,
+                                   state_view)
+from engines.transducer import TransducerConfig, TransducerDecoder
 
 
 class PoolExhausted(RuntimeError):
@@ -67,8 +68,6 @@ class DecoderSlots:
         self.decoder = decoder
         ref = next(iter(decoder.joint.parameters()))
         self.device, self.dtype = ref.device, ref.dtype
-        cfg = decoder.config
-        self.duration_table = torch.tensor(cfg.durations, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             self._sos = self._prime()  # (h, c, pred_out) after the blank (SOS) symbol, batch 1
         h0, c0, g0 = self._sos
@@ -100,8 +99,7 @@ class DecoderSlots:
         enc_len = enc_len.to(device=self.device, dtype=torch.long)
         state = continue_state(dec.joint.enc(enc), enc_len, self.h.index_select(1, idx),
                                self.c.index_select(1, idx), self.pred_out.index_select(0, idx),
-                               self.time_jump.index_select(0, idx), self.duration_table,
-                               dec.config.blank_id, dec.config.max_symbols)
+                               self.time_jump.index_select(0, idx), dec.config)
         run_label_looping(state, dec.prediction, dec.joint, dec.config)
         self.h.index_copy_(1, idx, state.h)  # same as: h[:, idx] = state.h
         self.c.index_copy_(1, idx, state.c)
@@ -115,29 +113,19 @@ class DecoderSlots:
 
 
 def continue_state(enc_proj: Tensor, lengths: Tensor, h: Tensor, c: Tensor, pred_out: Tensor,
-                   time_jump: Tensor, duration_table: Tensor, blank_id: int, max_symbols: int) -> DecodeState:
+                   time_jump: Tensor, cfg: TransducerConfig) -> DecodeState:
     """A `DecodeState` over a new chunk that starts from each row's previous decoder state
     (LSTM h, c [Lr, B, H] and projected prediction pred_out [B, J] after its last label)
     instead of priming with SOS, at frame time_jump [B] (0 unless the previous chunk's last
-    TDT step overshot its end). enc_proj [B, T, J], lengths [B] valid frames; duration_table
-    [K] long (empty for RNN-T). The max_symbols counters start afresh, as in NeMo."""
-    B, T, _ = enc_proj.shape
-    dev = enc_proj.device
-    lengths = lengths.to(device=dev, dtype=torch.long)
-    time = time_jump.to(device=dev, dtype=torch.long).clone()
-    last_frame = (lengths - 1).clamp(min=0)
-    zeros = torch.zeros(B, dtype=torch.long, device=dev)
-    no = torch.zeros(B, dtype=torch.bool, device=dev)
-    capacity = T * max_symbols + 1
-    return DecodeState(
-        enc_proj=enc_proj, lengths=lengths, last_frame=last_frame,
-        batch_idx=torch.arange(B, device=dev), duration_table=duration_table,
-        time=time, safe_time=torch.minimum(time, last_frame), label_time=zeros.clone(),
-        labels=torch.full((B,), blank_id, dtype=torch.long, device=dev), step_durations=zeros.clone(),
-        active=time < lengths, active_prev=no.clone(), advance=no.clone(), found=no.clone(),
-        pred_out=pred_out, h=h, c=c,
-        tokens=torch.zeros(B, capacity, dtype=torch.long, device=dev),
-        frames=torch.zeros(B, capacity, dtype=torch.long, device=dev),
-        durations=torch.zeros(B, capacity, dtype=torch.long, device=dev),
-        count=zeros.clone(), last_emit_frame=torch.full_like(zeros, -1), same_frame_count=zeros.clone(),
-    )
+    TDT step overshot its end). enc_proj [B, T, J], lengths [B] valid frames. The max_symbols
+    counters start afresh, as in NeMo."""
+    B, T, J = enc_proj.shape
+    state = state_view(DecodeBuffers(B, T, cfg, J, enc_proj.dtype, enc_proj.device), enc_proj)
+    clear_state(state, lengths.to(device=enc_proj.device, dtype=torch.long), cfg)
+    state.h.copy_(h)
+    state.c.copy_(c)
+    state.pred_out.copy_(pred_out)
+    state.time.copy_(time_jump)
+    torch.minimum(state.time, state.last_frame, out=state.safe_time)
+    torch.less(state.time, state.lengths, out=state.active)
+    return state
