@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +37,18 @@ def pytest_collection_modifyitems(config, items):
 # TRITON_INTERPRET flag is read at import), and an import here would only add exit noise.
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (pip install -e '.[test]')")
+
+
+def run_in_triton_interpreter(module: str, function: str) -> str:
+    """`module.function()` (a tests/ module) in a fresh interpreter with TRITON_INTERPRET=1 (the
+    flag is read when triton is imported, so it cannot be switched on inside this process);
+    fails the test on a non-zero exit; returns its stdout."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", f"import {module} as t; t.{function}()"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
 
 needs_shared = pytest.mark.skipif(
     not NEMO_REF.is_dir(), reason=f"shared fixtures not found at {NEMO_REF} (CI always has them)"

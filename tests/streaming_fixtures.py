@@ -9,8 +9,9 @@ import pytest
 import soundfile as sf
 
 from conftest import NEMO_REF
-from transcribe.streaming.scheduler import StreamingModel
+from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.server import ServerConfig, StreamServer
+from transcribe.streaming.session import SessionState
 
 VARIANT = NEMO_REF / "rnnt_streaming_tiny"
 
@@ -31,6 +32,22 @@ def files() -> list[dict]:
             raise ValueError(f"{f['audio']}: {sr} Hz, the fixture's references are at 16 kHz")
         out.append({**f, "samples": audio})
     return out
+
+
+def stream_alone(model: StreamingModel, audio, piece: int, after_step=None):
+    """The whole file through one session of its own in `piece`-sample pieces, all pushed, then
+    stepped to the end; `after_step(pool)` runs after every step. -> (session, partial texts)."""
+    sched = Scheduler(model, SchedulerConfig(max_streams=1))
+    s = sched.open("a")
+    for i in range(0, audio.shape[0], piece):
+        s.push_audio(audio[i: i + piece])
+    s.end()
+    texts = []
+    while s.state == SessionState.ACTIVE:
+        texts += [r.text for _, r, _ in sched.run_once()]
+        if after_step is not None:
+            after_step(sched.pool)
+    return s, texts
 
 
 def serve_and_check(model: StreamingModel, cfg: ServerConfig, scenario):

@@ -17,6 +17,7 @@ from engines.slot_pool import PoolExhausted
 from transcribe.bench import edit_distance
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionState
+from streaming_fixtures import stream_alone
 
 pytestmark = needs_shared
 WHOLE_FILE_MS = 100_000  # left/right context longer than every fixture file
@@ -51,18 +52,7 @@ def _offline(model: StreamingModel, audio: np.ndarray):
 
 
 def _stream(model: StreamingModel, audio: np.ndarray, piece: int = 3333, after_step=None):
-    """The file through one session in `piece`-sample pieces, all pushed, then stepped."""
-    sched = Scheduler(model, SchedulerConfig(max_streams=1))
-    s = sched.open("a")
-    for i in range(0, audio.shape[0], piece):
-        s.push_audio(audio[i: i + piece])
-    s.end()
-    texts = []
-    while s.state == SessionState.ACTIVE:
-        texts += [r.text for _, r, _ in sched.run_once()]
-        if after_step is not None:
-            after_step(sched.pool)
-    return s, texts
+    return stream_alone(model, audio, piece, after_step)
 
 
 def _whole_file_chunks(model: StreamingModel, audio: np.ndarray, chunk: int, after_step=None):

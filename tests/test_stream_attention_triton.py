@@ -8,15 +8,13 @@ they skip.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from conftest import NEMO_REF, needs_shared, needs_triton
+from conftest import NEMO_REF, needs_shared, needs_triton, run_in_triton_interpreter
 from engines.attention import RelPositionMultiHeadAttention, sinusoids
 from engines.stream_attention_triton import fused_cache_attention, shift_cache_by_index_
 from engines.streaming_encoder import CacheAwareEncoder, _attention_step, _shift_cache
@@ -102,13 +100,7 @@ def interpreted_checks() -> None:
 
 @needs_triton
 def test_kernels_equal_torch_in_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    code = "import test_stream_attention_triton as t; t.interpreted_checks()"
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "interpreted kernels equal torch" in run.stdout
+    assert "interpreted kernels equal torch" in run_in_triton_interpreter("test_stream_attention_triton", "interpreted_checks")
 
 
 def test_torch_fallback_without_cuda_equals_attention_step():

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import needs_shared, needs_triton
+from conftest import needs_shared, needs_triton, run_in_triton_interpreter
 from engines.checkpoint import NemoArchive, sub_state_dict
 from engines.conformer import ConformerEncoder, EncoderConfig
 from engines.stream_pool import ChunkInput, StreamPool
@@ -89,13 +87,7 @@ def interpreted_checks() -> None:
 
 @needs_triton
 def test_pool_kernel_in_triton_interpreter_equals_torch():
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    code = "import test_stream_pool_triton as t; t.interpreted_checks()"
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "interpreted pool tokens equal torch" in run.stdout
+    assert "interpreted pool tokens equal torch" in run_in_triton_interpreter("test_stream_pool_triton", "interpreted_checks")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from conftest import NEMO_REF, needs_shared
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import IncrementalLogMel, SessionState
 
-from streaming_fixtures import files, model  # noqa: F401  (fixtures)
+from streaming_fixtures import files, model, stream_alone  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
@@ -43,15 +43,8 @@ def test_partial_texts_match_nemo_exact_features(model, files):
 
 
 def _stream_alone(model, audio, piece=1234):
-    """Whole file through a session in `piece`-sample pieces; (partial texts, final tokens, frames)."""
-    sched = Scheduler(model, SchedulerConfig(max_streams=1))
-    s = sched.open("a")
-    for i in range(0, audio.shape[0], piece):
-        s.push_audio(audio[i: i + piece])
-    s.end()
-    texts = []
-    while s.state == SessionState.ACTIVE:
-        texts += [r.text for _, r, _ in sched.run_once()]
+    """(partial texts, final tokens, frames) of the file streamed alone."""
+    s, texts = stream_alone(model, audio, piece)
     return texts, s.tokens, s.token_frames
 
 
