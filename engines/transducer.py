@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engines.checkpoint import sub_state_dict
-from engines.cpu_threads import decoder_threads
+from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
 from engines.ctc import CTCHead, ctc_config_from_nemo, greedy_ctc
 from engines.decode_graphs import DecodeMode, GraphDecoder
 from engines.decode_stages import DecodeBuffers, Hypothesis, label_looping_decode
@@ -205,6 +205,7 @@ class TransducerDecoder:
         self.ctc_head = ctc_head
         self.buffers: DecodeBuffers | None = None  # set by reserve(); else allocated per batch
         self.graphs = GraphDecoder(prediction, joint, config)  # eager until set_mode() picks a mode
+        self.cpu_threads = DECODER_THREADS  # eager CPU decode; measured by reserve()
 
     @classmethod
     def from_archive(cls, archive: Any, state_dict: dict[str, torch.Tensor] | None = None) -> "TransducerDecoder":
@@ -237,7 +238,7 @@ class TransducerDecoder:
         lengths = lengths.to(enc_proj.device)
         if self.graphs.mode is not DecodeMode.EAGER:
             return self.graphs.decode(enc_proj, lengths, self.buffers)
-        with decoder_threads(enc_proj.device):
+        with decoder_threads(enc_proj.device, self.cpu_threads):
             return label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.config, self.buffers)
 
     @property
@@ -255,6 +256,20 @@ class TransducerDecoder:
         w = self.joint.pred.weight
         self.buffers = DecodeBuffers(max_batch, max_frames, self.config, w.shape[0], w.dtype, w.device)
         self.graphs.reserve(max_batch, max_frames)
+        if w.device.type == "cpu":
+            self.cpu_threads = self._fastest_cpu_threads(max_batch, max_frames)
+
+    @torch.inference_mode()
+    def _fastest_cpu_threads(self, max_batch: int, max_frames: int) -> int:
+        """Time this decoder on a synthetic full batch (seeded random projected encoder
+        frames, a few dozen label steps) with 1 thread and with all; see engines/cpu_threads.py."""
+        w = self.joint.pred.weight
+        gen = torch.Generator().manual_seed(0)
+        b, t = min(max_batch, 32), min(max_frames, 4)  # a typical batch; ~10 label steps
+        enc_proj = torch.randn(b, t, w.shape[0], generator=gen).to(w.dtype)
+        lengths = torch.full((b,), t, dtype=torch.long)
+        return fastest_threads(lambda: label_looping_decode(enc_proj, lengths, self.prediction, self.joint,
+                                                            self.config, self.buffers))
 
     @torch.inference_mode()
     def ctc_log_probs(self, encoder_out: torch.Tensor) -> torch.Tensor:
