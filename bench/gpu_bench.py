@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""GPU benchmark (issue 5): RTFx from files per encoder backend and decoder mode, decoder-only
-speed per mode, per-stage seconds and peak GPU memory, and NeMo's `transcribe()` with its
-CUDA-graph decoder on the same GPU in the same run.
+"""GPU benchmark (issue 5): RTFx from files per encoder backend and decoder mode, and with the
+log-mel features in the workers or on the GPU, decoder-only speed per mode, per-stage seconds
+and peak GPU memory, and NeMo's `transcribe()` with its CUDA-graph decoder on the same GPU in
+the same run.
 
     python bench/gpu_bench.py --model parakeet_tdt_0.6b_v2_random.nemo \
         --audio ../shared/data/speech/librispeech_test_other --min-hours 1 \
@@ -13,7 +14,10 @@ files. Each configuration is a full pipeline run (`transcribe.pipeline.run`: wor
 resample and compute features into shared memory, the engine batches by length bucket) on a
 freshly loaded engine; RTFx = audio seconds / wall seconds of that run (model load and graph
 capture excluded and reported apart). Transcripts of every configuration are compared with
-the first one (torch encoder, eager decoder): `mismatched_files` must be 0.
+the first one (torch encoder, eager decoder, features in the workers): `mismatched_files`
+must be 0. The `--features-on` axis runs the default encoder (cuda-graphs; torch on the CPU)
+with the auto decoder once per value; `features_on` compares them (RTFx and the stages each moves: the workers' `preprocess_features`, the
+engine's `batch` and `features`), which is what decides the engines' `features_on="auto"`.
 
 Decoder-only: encoder outputs of a few real batches are decoded `--decoder-reps` times per mode
 after a warm-up, with the device synchronised around the timed span; speed-up vs eager.
@@ -36,12 +40,13 @@ import soundfile as sf
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engines.encoder_backend import resolve_backend  # noqa: E402
 from engines.parakeet import ParakeetEngine  # noqa: E402
 from transcribe.inputs import discover  # noqa: E402
 from transcribe.pipeline import run  # noqa: E402
 from transcribe.workers import Prespawned, default_workers  # noqa: E402
 
-BASELINE = ("torch", "eager")
+BASELINE = ("torch", "eager", "workers")
 
 
 def repeat_inputs(src: Path, min_hours: float, dest: Path) -> tuple[Path, float, int]:
@@ -76,20 +81,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def pipeline_run(model: str, manifest: Path, backend: str, mode: str, a) -> dict:
+def pipeline_run(model: str, manifest: Path, backend: str, mode: str, features_on: str, a) -> dict:
     """One configuration end to end from files; its transcripts are returned for comparison."""
     _free()
     t0 = time.perf_counter()
     # Workers start while the model loads, as in the CLI: their spawn is not in the timed run.
     with Prespawned(a.workers or default_workers()) as spares, tempfile.TemporaryDirectory() as out:
-        engine = ParakeetEngine.from_nemo(model, a.device, encoder_backend=backend, decoder_mode=mode)
+        engine = ParakeetEngine.from_nemo(model, a.device, encoder_backend=backend, decoder_mode=mode,
+                                          features_on=features_on)
         engine.reserve(64)  # the pipeline reserves again for its own batch size; graphs are kept
         _sync(a.device)
         load_s = time.perf_counter() - t0
         stats = run(engine, discover([str(manifest)]), Path(out), ["txt"], batch_seconds=a.batch_seconds,
                     force=True, workers=a.workers, progress=False, prespawned=spares)
     row = {
-        "encoder_backend": backend, "decoder_mode_requested": mode, "runtime": engine.runtime,
+        "encoder_backend": backend, "decoder_mode_requested": mode, "features_on": features_on,
+        "runtime": engine.runtime,
         "load_and_capture_seconds": round(load_s, 2), "audio_seconds": round(stats.audio_seconds, 1),
         "wall_seconds": round(stats.wall_seconds, 3), "rtfx": round(stats.rtfx, 1),
         "files_failed": stats.files_failed, "padding_fraction": round(stats.padding_fraction, 4),
@@ -132,6 +139,18 @@ def decoder_only(model: str, manifest: Path, modes: list[str], reps: int, batch:
     return rows
 
 
+def features_on_summary(runs: list[dict], backend: str) -> dict:
+    """`backend`/auto with features in the workers vs on the device: RTFx and the stages that
+    move (the workers' log-mel leaves them; the engine's batch copies audio, then computes it)."""
+    rows = {r["features_on"]: r for r in runs
+            if "rtfx" in r and (r["encoder_backend"], r["decoder_mode_requested"]) == (backend, "auto")}
+    moved = ("preprocess_features", "preprocess_to_slab", "batch", "features", "encoder")
+    out = {f: {"rtfx": r["rtfx"], **{k: r["stages"].get(k, 0.0) for k in moved}} for f, r in rows.items()}
+    if "workers" in out and "device" in out:
+        out["device_rtfx_vs_workers"] = round(out["device"]["rtfx"] / out["workers"]["rtfx"], 3)
+    return out
+
+
 def nemo_peer(a, manifest: Path, out: Path) -> dict | None:
     cmd = [a.nemo_python, str(Path(__file__).with_name("nemo_peer.py")), "--model", a.model, "--manifest",
            str(manifest), "--device", a.device, "--batch-size", str(a.nemo_batch_size), "--json", str(out)]
@@ -151,6 +170,7 @@ def main() -> int:
     ap.add_argument("--min-hours", type=float, default=1.0)
     ap.add_argument("--backends", default="torch,cuda-graphs,tensorrt")
     ap.add_argument("--modes", default="eager,unrolled,full-graph")
+    ap.add_argument("--features-on", default="workers,device", help="where log-mel runs (default encoder, auto decoder)")
     ap.add_argument("--batch-seconds", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--decoder-reps", type=int, default=5)
@@ -164,25 +184,31 @@ def main() -> int:
         print("error: no CUDA device (--device cpu only smoke-tests the script)", file=sys.stderr)
         return 1
     modes, backends = a.modes.split(","), a.backends.split(",")
+    default_backend = resolve_backend("auto", a.device)
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     report: dict = {"gpu": gpu, "torch": torch.__version__, "model": a.model}
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         manifest, audio_s, reps = repeat_inputs(Path(a.audio), a.min_hours, Path(tmp))
         report.update(audio_seconds=round(audio_s, 1), repeats=reps)
-        configs = [BASELINE] + [(b, "auto") for b in backends if b != "torch"] + [("cuda-graphs", m) for m in modes]
+        configs = ([BASELINE] + [(b, "auto", "workers") for b in backends if b != "torch"]
+                   + [("cuda-graphs", m, "workers") for m in modes]
+                   + [(default_backend, "auto", f) for f in a.features_on.split(",")])
         runs, base = [], None
-        for backend, mode in dict.fromkeys(configs):
+        for backend, mode, features_on in dict.fromkeys(configs):
             try:
-                res = pipeline_run(a.model, manifest, backend, mode, a)
+                res = pipeline_run(a.model, manifest, backend, mode, features_on, a)
             except (RuntimeError, ValueError, ImportError) as e:  # e.g. tensorrt missing: say so, go on
-                runs.append({"encoder_backend": backend, "decoder_mode_requested": mode, "error": f"{type(e).__name__}: {e}"})
-                print(f"{backend}/{mode}: {e}", file=sys.stderr)
+                runs.append({"encoder_backend": backend, "decoder_mode_requested": mode, "features_on": features_on,
+                             "error": f"{type(e).__name__}: {e}"})
+                print(f"{backend}/{mode}/{features_on}: {e}", file=sys.stderr)
                 continue
             base = base if base is not None else res["texts"]
             res["row"]["mismatched_files"] = sum(res["texts"].get(k) != v for k, v in base.items())
             runs.append(res["row"])
             print(json.dumps(res["row"]), flush=True)
         report["runs"] = runs
+        report["features_on"] = features_on_summary(runs, default_backend)
+        print(json.dumps(report["features_on"]), flush=True)
         report["decoder_only"] = decoder_only(a.model, manifest, modes, a.decoder_reps, a.decoder_batch, a.device)
         print(json.dumps(report["decoder_only"]), flush=True)
         if a.nemo_python:
@@ -196,7 +222,8 @@ def main() -> int:
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{report['gpu']}: {report['audio_seconds'] / 3600:.2f} h; best RTFx "
           f"{best['rtfx'] if best else None} ({best['runtime'] if best else '-'}); NeMo RTFx {nemo_rtfx}; "
-          f"ratio {report.get('best_vs_nemo')}")
+          f"ratio {report.get('best_vs_nemo')}; features on the device vs workers: RTFx x"
+          f"{report['features_on'].get('device_rtfx_vs_workers')}")
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from engines.transducer import Joint, PredictionNetwork, TransducerConfig
 
 log = logging.getLogger("transcribe")
+Built = TypeVar("Built")
 
 FRAME_QUANTUM = 64  # static frames grow in steps of 64 encoder frames (~5 s at 80 ms): few recaptures
 WARMUP_RUNS = 2  # eager runs before capture, so cuBLAS/cuDNN set up their handles outside it
@@ -223,19 +224,13 @@ class FullGraphRunner:
 _RUNNERS = {DecodeMode.FULL_GRAPH: FullGraphRunner, DecodeMode.UNROLLED: UnrolledRunner}
 
 
-class GraphDecoder:
-    """Mode selection, static state, capture and fallback for one TransducerDecoder.
+class ModeSelection:
+    """Requested decoder mode -> the mode in use, each fallback logged once on the `transcribe`
+    logger; shared by the transducer (`GraphDecoder`) and Whisper (`whisper_graph`) decoders.
     `capture=False` drives the static pieces directly (CPU tests of what graphs would run)."""
 
-    def __init__(self, prediction: "PredictionNetwork", joint: "Joint", cfg: "TransducerConfig",
-                 mode: DecodeMode = DecodeMode.EAGER, capture: bool = True):
-        self.prediction, self.joint, self.cfg = prediction, joint, cfg
+    def __init__(self, mode: DecodeMode = DecodeMode.EAGER, capture: bool = True):
         self.mode, self.capture = mode, capture
-        self.min_batch, self.min_frames = 1, FRAME_QUANTUM
-        self.static: StaticState | None = None
-        self.runner: DirectRunner | UnrolledRunner | FullGraphRunner | None = None
-        self.pool: object | None = None
-        self.captures = 0  # how many times the buffers were (re)built and captured
         self._logged: set[str] = set()
 
     def _log_once(self, message: str) -> None:
@@ -251,9 +246,43 @@ class GraphDecoder:
         if mode is not best and not cpu_auto:
             self._log_once(f"decoder mode {mode.value} (requested {req.value}): {reason}")
         if mode is not self.mode:
-            self.static = self.runner = None
+            self._drop()
         self.mode = mode
         return mode
+
+    def _drop(self) -> None:
+        """Forget the static state and graphs built for the previous mode."""
+        raise NotImplementedError
+
+    def _capture_with_fallback(self, capture: Callable[[DecodeMode], Built]) -> Built | None:
+        """capture(mode) for the mode in use; a capture error moves to the next mode (logged
+        once) and tries again. None once that reached eager."""
+        while True:
+            try:
+                return capture(self.mode)
+            except _CAPTURE_ERRORS as e:
+                nxt = _NEXT[self.mode]
+                self._log_once(f"decoder mode {self.mode.value} capture failed ({e}); falling back to {nxt.value}")
+                self.mode = nxt
+                if nxt is DecodeMode.EAGER:
+                    return None
+
+
+class GraphDecoder(ModeSelection):
+    """Mode selection, static state, capture and fallback for one TransducerDecoder."""
+
+    def __init__(self, prediction: "PredictionNetwork", joint: "Joint", cfg: "TransducerConfig",
+                 mode: DecodeMode = DecodeMode.EAGER, capture: bool = True):
+        super().__init__(mode, capture)
+        self.prediction, self.joint, self.cfg = prediction, joint, cfg
+        self.min_batch, self.min_frames = 1, FRAME_QUANTUM
+        self.static: StaticState | None = None
+        self.runner: DirectRunner | UnrolledRunner | FullGraphRunner | None = None
+        self.pool: object | None = None
+        self.captures = 0  # how many times the buffers were (re)built and captured
+
+    def _drop(self) -> None:
+        self.static = self.runner = None
 
     def reserve(self, max_batch: int, max_frames: int) -> None:
         """Smallest static size to build (at the first graph-mode decode)."""
@@ -276,23 +305,17 @@ class GraphDecoder:
         max_batch = max(batch, self.min_batch, old.max_batch if old else 0)
         need = max(frames, self.min_frames, old.max_frames if old else 0)
         max_frames = -(-need // FRAME_QUANTUM) * FRAME_QUANTUM
-        self.static = self.runner = None  # drop old graphs first: their pool memory is reused
-        while True:
+        self._drop()  # drop old graphs first: their pool memory is reused
+
+        def capture(mode: DecodeMode) -> tuple[StaticState, DirectRunner | UnrolledRunner | FullGraphRunner]:
             static = StaticState(self.prediction, self.joint, self.cfg, max_batch, max_frames, dtype, device)
             if not self.capture:
-                self.static, self.runner = static, DirectRunner(static, None)
-                break
+                return static, DirectRunner(static, None)
             if self.pool is None and device.type == "cuda":  # one pool for every capture
                 self.pool = torch.cuda.graph_pool_handle()
-            try:
-                self.runner = _RUNNERS[self.mode](static, self.pool)
-            except _CAPTURE_ERRORS as e:
-                nxt = _NEXT[self.mode]
-                self._log_once(f"decoder mode {self.mode.value} capture failed ({e}); falling back to {nxt.value}")
-                self.mode = nxt
-                if nxt is DecodeMode.EAGER:
-                    return
-                continue
-            self.static = static
-            break
-        self.captures += 1
+            return static, _RUNNERS[mode](static, self.pool)
+
+        built = self._capture_with_fallback(capture)
+        if built is not None:
+            self.static, self.runner = built
+            self.captures += 1

@@ -50,27 +50,32 @@ def choose_model(model: str | None) -> str:
     return BUNDLED
 
 
-def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto"):
-    """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`. `encoder_backend`
-    (auto, torch, compile, cuda-graphs, tensorrt: engines/encoder_backend.py) and
-    `decoder_mode` (auto, full-graph, unrolled, eager: engines/decode_graphs.py) apply to
-    Parakeet models; Whisper runs eager torch."""
+def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
+                features_on: str = "auto"):
+    """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`. `decoder_mode` (auto,
+    full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
+    both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
+    engines/encoder_backend.py) to Parakeet models, Whisper's encoder runs eager torch.
+    `features_on` (auto, workers, device: transcribe/audio_frontend.py) too: Whisper computes
+    its features in the workers."""
     name = choose_model(model)
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
     if whisper and encoder_backend not in ("auto", "torch"):
         raise ValueError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
-    if whisper and decoder_mode not in ("auto", "eager"):
-        raise ValueError(f"decoder mode {decoder_mode!r} is for Parakeet models; {name} (Whisper) decodes eagerly")
+    if whisper and features_on not in ("auto", "workers"):
+        raise ValueError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
+                         "features in the workers")
     if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine
 
-        return WhisperEngine.load(name, device)
+        return WhisperEngine.load(name, device, decoder_mode)
     if is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
         from engines.whisper_engine import WhisperEngine
 
-        return WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name)
+        return WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name,
+                                       decoder_mode=decoder_mode)
     from engines.parakeet import ParakeetEngine
 
     return ParakeetEngine.from_nemo(resolve_checkpoint(name), device, name=name, encoder_backend=encoder_backend,
-                                    decoder_mode=decoder_mode)
+                                    decoder_mode=decoder_mode, features_on=features_on)

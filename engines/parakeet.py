@@ -4,6 +4,9 @@ audio piece [samples] -> `LogMelFrontend` [n_mels, F] (in a preprocessing worker
 batch [B, n_mels, F] -> ConformerEncoder [B, D, T'] -> greedy decoding (label-looping
 transducer or CTC) -> tokens + frames -> `Result` (text, words, segments). The checkpoint is
 read once: one state dict feeds every module.
+
+With `features_on="device"` the workers ship the audio (`transcribe.audio_frontend`) and the
+padded batch [B, 1, T] goes through `LogMel` on the engine's device before the encoder.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_pr
                                      resolve_backend)
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerDecoder
+from transcribe.audio_frontend import AudioFrontend, resolve_features_on
 from transcribe.features import FeatureConfig, LogMel
 from transcribe.results import Result
 from transcribe.timestamps import FrameTiming, build_result
@@ -63,6 +67,11 @@ class LogMelFrontend:
         self.max_frames = self.frames(int(max_piece_seconds * cfg.sample_rate))
         self._logmel: LogMel | None = None
 
+    @classmethod
+    def of(cls, logmel: LogMel, max_piece_seconds: float) -> "LogMelFrontend":
+        """The per-piece twin of a batched `LogMel` (same config, window and filterbank)."""
+        return cls(logmel.cfg, logmel.window.cpu().numpy(), logmel.fb.cpu().numpy(), max_piece_seconds)
+
     def frames(self, n_samples: int) -> int:
         """Valid feature frames of a piece of `n_samples` samples."""
         return int(self.cfg.frame_count(torch.tensor([n_samples]))[0])
@@ -84,7 +93,7 @@ class ParakeetEngine:
 
     def __init__(self, name: str, features: LogMel, encoder: ConformerEncoder, decoder, tokenizer: Tokenizer,
                  kind: str, timing: FrameTiming, device: str = "cpu", encoder_backend: str = "auto",
-                 backend_options: BackendOptions = BackendOptions()):
+                 backend_options: BackendOptions = BackendOptions(), features_on: str = "auto"):
         self.name = name
         self.device = device
         self.encoder = encoder.to(device)
@@ -94,11 +103,16 @@ class ParakeetEngine:
         self.timing = timing
         self.sample_rate = features.cfg.sample_rate
         self.max_piece_seconds = DEFAULT_MAX_PIECE_SECONDS
-        # Features are computed per piece on the host (in the preprocessing workers), not here;
-        # the engine only pads them into batches as LogMel would.
         self.feature_cfg = features.cfg
-        self.frontend = LogMelFrontend(features.cfg, features.window.numpy(), features.fb.numpy(),
-                                       self.max_piece_seconds)
+        # "workers": the preprocessing workers compute each piece's features and the engine pads
+        # them into batches as LogMel would; "device": the workers ship audio and `logmel` runs
+        # on the padded batch here (transcribe/audio_frontend.py).
+        self.features_on = resolve_features_on(features_on)
+        per_piece = LogMelFrontend.of(features, self.max_piece_seconds)
+        self.max_feature_frames = per_piece.max_frames
+        self.logmel = features.to(device) if self.features_on == "device" else None
+        self.frontend = (AudioFrontend(self.sample_rate, self.max_piece_seconds) if self.logmel is not None
+                         else per_piece)
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._host: torch.Tensor | None = None  # pinned batch buffer on CUDA, see reserve()
         # Profiles: per length edge, the batch width of a piece that long (as _batch pads it).
@@ -109,21 +123,25 @@ class ParakeetEngine:
 
     @property
     def runtime(self) -> str:
-        """How the model runs, for the one-line startup note: encoder backend and decoder mode."""
+        """How the model runs, for the one-line startup note: encoder backend, decoder mode and
+        where features are computed."""
         mode = self.decoder.mode if isinstance(self.decoder, TransducerDecoder) and self.kind != "ctc" else "ctc"
-        return f"encoder {self.encoder_backend.name}, decoder {mode}"
+        return f"encoder {self.encoder_backend.name}, decoder {mode}, features on {self.features_on}"
 
     @classmethod
     def from_nemo(cls, path: str | Path, device: str = "auto", name: str | None = None,
                   decoding: str = "auto", encoder_backend: str = "auto",
-                  backend_options: BackendOptions | None = None, decoder_mode: str = "auto") -> "ParakeetEngine":
+                  backend_options: BackendOptions | None = None, decoder_mode: str = "auto",
+                  features_on: str = "auto") -> "ParakeetEngine":
         """Load a `.nemo` checkpoint. `decoding`: auto (transducer if present), or ctc (hybrids).
         `encoder_backend`: auto (cuda-graphs on CUDA, torch on the CPU), torch, compile,
         cuda-graphs or tensorrt (engines/encoder_backend.py). `decoder_mode`: auto, full-graph,
         unrolled or eager (engines/decode_graphs.py; a graph mode that cannot run falls back,
-        logged once)."""
+        logged once). `features_on`: auto (= workers for now), workers or device
+        (transcribe/audio_frontend.py)."""
         device = pick_device(device)
         DecodeMode(decoder_mode)  # a bad name fails before the load
+        resolve_features_on(features_on)  # a bad name fails before the load
         backend = resolve_backend(encoder_backend, device)  # a bad name fails before the load
         options = replace(backend_options or BackendOptions(), nemo_path=str(path))
         with NemoArchive(path) as archive:
@@ -145,7 +163,8 @@ class ParakeetEngine:
             tokenizer = Tokenizer.from_archive(archive)
         del state
         timing = FrameTiming(fcfg.window_stride, encoder.cfg.subsampling_factor)
-        engine = cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device, backend, options)
+        engine = cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device, backend, options,
+                     features_on)
         if isinstance(engine.decoder, TransducerDecoder) and kind != "ctc":
             engine.decoder.set_mode(decoder_mode)  # after the move: the mode depends on the device
         return engine
@@ -153,13 +172,14 @@ class ParakeetEngine:
     def reserve(self, max_items: int) -> None:
         """Preallocate, once at startup, the decoder state for [max_items, encoder frames of the
         longest piece] and (CUDA only: on the CPU the batch is built where the encoder reads it)
-        the pinned host batch [max_items, n_mels, max frames]."""
-        width = self._width(self.frontend.max_frames)
+        the pinned host memory for a batch of max_items of the longest pieces the frontend makes
+        ([n_mels, max frames] each, or [1, max samples] with features on the device)."""
         if isinstance(self.decoder, TransducerDecoder):
-            max_enc = int(self.encoder.output_lengths(torch.tensor([width]))[0])
+            max_enc = int(self.encoder.output_lengths(torch.tensor([self._width(self.max_feature_frames)]))[0])
             self.decoder.reserve(max_items, max_enc)
         if self.device.startswith("cuda"):
-            self._host = torch.empty(max_items, self.feature_cfg.features, width, pin_memory=True)
+            fe = self.frontend
+            self._host = torch.empty(max_items * fe.n_mels * self._batch_width(fe.max_frames), pin_memory=True)
         self.encoder_backend.reserve(max_items)  # CUDA graphs: capture every bucket now
 
     def _width(self, frames: int) -> int:
@@ -167,14 +187,22 @@ class ParakeetEngine:
         (one more than the valid frames, rounded up to pad_to), so batched shapes stay equal."""
         return feature_width(frames, self.feature_cfg.pad_to)
 
-    def _batch(self, features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[n_mels, F_i] pieces -> padded [B, n_mels, W] and frame lengths [B] on the device."""
-        lengths = torch.tensor([f.shape[1] for f in features], dtype=torch.int64)
-        shape = (len(features), self.feature_cfg.features, self._width(int(lengths.max())))
-        fits = self._host is not None and shape[0] <= self._host.shape[0] and shape[2] <= self._host.shape[2]
-        batch = self._host[: shape[0], :, : shape[2]] if fits else torch.empty(shape)
-        batch.fill_(self.feature_cfg.pad_value)
-        for i, f in enumerate(features):
+    def _batch_width(self, length: int) -> int:
+        """Batch time axis for the frontend's pieces: log-mel pieces pad as `LogMel` would (_width);
+        audio pieces to the longest, since `LogMel` on the device then gives that same width."""
+        return length if self.logmel is not None else self._width(length)
+
+    def _batch(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frontend's pieces [C, L_i] (log-mel [n_mels, F_i], or audio [1, T_i]) -> padded
+        [B, C, W] and lengths [B] (frames or samples) on the device."""
+        lengths = torch.tensor([f.shape[1] for f in pieces], dtype=torch.int64)
+        shape = (len(pieces), pieces[0].shape[0], self._batch_width(int(lengths.max())))
+        n = shape[0] * shape[1] * shape[2]
+        # The front of the flat pinned buffer, so the batch is contiguous and copies asynchronously.
+        batch = self._host[:n].view(shape) if self._host is not None and n <= self._host.numel() else torch.empty(shape)
+        # Audio past a piece's end is masked by LogMel, whatever it holds; zero is its natural pad.
+        batch.fill_(0.0 if self.logmel is not None else self.feature_cfg.pad_value)
+        for i, f in enumerate(pieces):
             batch[i, :, : f.shape[1]] = f
         return batch.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True)
 
@@ -193,14 +221,25 @@ class ParakeetEngine:
         self._timed("features", t)
         return self.transcribe_features(features)
 
-    @torch.inference_mode()
-    def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]:
-        """Per-piece features [n_mels, F_i] float32 (views are fine: they are copied into the
-        batch before this returns) -> one Result per piece."""
+    def _encoder_input(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frontend's pieces -> features [B, n_mels, W] and frame lengths [B] on the device,
+        timed as the stages "batch" and, with features on the device, "features"."""
         t = time.perf_counter()
-        feats, flen = self._batch(features)
+        x, lengths = self._batch(pieces)
         # The sync in _timed also ends the host-to-device copy before the pinned buffer is reused.
         t = self._timed("batch", t)
+        if self.logmel is not None:
+            x, lengths = self.logmel(x[:, 0], lengths)
+            self._timed("features", t)
+        return x, lengths
+
+    @torch.inference_mode()
+    def transcribe_features(self, pieces: list[torch.Tensor]) -> list[Result]:
+        """Per-piece frontend output, float32: features [n_mels, F_i], or audio [1, T_i] with
+        features on the device (views are fine: they are copied into the batch before this
+        returns) -> one Result per piece."""
+        feats, flen = self._encoder_input(pieces)
+        t = time.perf_counter()
         enc, elen = self.encoder_backend(feats, flen)
         t = self._timed("encoder", t)
         if self.kind == "ctc" and isinstance(self.decoder, TransducerDecoder):

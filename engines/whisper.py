@@ -144,20 +144,35 @@ class AudioEncoder(nn.Module):
 
 
 class KVCache:
-    """Preallocated decoder caches for one batch of windows.
+    """Preallocated decoder caches for one batch of windows, filled by position count.
 
     self_k / self_v: [layers, slots, max_len, d], written in place at [layer, :n, length:...].
     cross_k / cross_v: [layers, slots, heads, n_audio_ctx, d / heads], computed once from the
     audio states; head-major and contiguous because every step streams all of them (the
     memory-bound part of a decoder step) and strided views made attention ~1.5x slower.
     Rows 0..n-1 are the live items; `keep` compacts finished ones away so every step works on
-    contiguous views instead of gathering.
+    contiguous views instead of gathering. (`whisper_static.StaticCache` is the fixed-shape
+    variant the CUDA-graph modes use: written by a position tensor, attended through a mask.)
     """
 
     def __init__(self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor):
         self.self_k, self.self_v, self.cross_k, self.cross_v = self_k, self_v, cross_k, cross_v
         self.length = 0  # positions filled so far, shared by all live rows
-        self.rows = self_k.shape[1]
+
+    def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Write layer i's new K/V [n, T, d] at positions length..+T; return the keys and values
+        to attend over and the mask (bool, True = may attend; None = all)."""
+        n, t, _ = k.shape
+        start = self.length
+        self.self_k[i, :n, start:start + t] = k
+        self.self_v[i, :n, start:start + t] = v
+        # One new token may see every cached position; several need a causal mask offset by
+        # what is already cached.
+        mask = None if t == 1 else torch.ones(t, start + t, dtype=torch.bool, device=k.device).tril(start)
+        return self.self_k[i, :n, :start + t], self.self_v[i, :n, :start + t], mask
+
+    def cross(self, i: int, n: int) -> tuple[Tensor, Tensor]:
+        return self.cross_k[i, :n], self.cross_v[i, :n]
 
     def keep(self, rows: Tensor) -> None:
         """Move the listed rows (ascending indices) to the front; the rest become dead."""
@@ -166,7 +181,6 @@ class KVCache:
                           (self.cross_k, None), (self.cross_v, None)):
             part = buf[:, :, :upto] if upto is not None else buf
             part[:, :n] = part.index_select(1, rows)
-        self.rows = n
 
 
 class CrossAttention(nn.Module):
@@ -190,19 +204,13 @@ class DecoderLayer(nn.Module):
         self.mlp_ln, self.mlp = nn.LayerNorm(d), MLP(d)
 
     def forward(self, x: Tensor, cache: KVCache, i: int) -> Tensor:
-        """x: [n, T, d] new positions cache.length .. +T; writes their K/V into the cache."""
-        n, t, _ = x.shape
-        start, h = cache.length, self.n_head
+        """x: [n, T, d] new positions; `cache` (KVCache or StaticCache) stores their K/V."""
+        h = self.n_head
         q, k, v = self.attn.qkv(self.attn_ln(x)).chunk(3, dim=-1)
-        cache.self_k[i, :n, start:start + t] = k
-        cache.self_v[i, :n, start:start + t] = v
-        keys, vals = cache.self_k[i, :n, :start + t], cache.self_v[i, :n, :start + t]
-        # One new token may see every cached position; several need a causal mask offset by
-        # what is already cached (bool, True = may attend).
-        mask = None if t == 1 else torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
+        keys, vals, mask = cache.update(i, k, v)
         y = F.scaled_dot_product_attention(_heads(q, h), _heads(keys, h), _heads(vals, h), attn_mask=mask)
         x = x + self.attn.out(_merge(y))
-        x = x + self.cross(self.cross_ln(x), cache.cross_k[i, :n], cache.cross_v[i, :n])
+        x = x + self.cross(self.cross_ln(x), *cache.cross(i, x.shape[0]))
         return x + self.mlp(self.mlp_ln(x))
 
 
@@ -217,28 +225,36 @@ class TextDecoder(nn.Module):
 
     def new_cache(self, audio: Tensor, max_len: int) -> KVCache:
         """Allocate the self-attention cache and project audio [B, T_a, d] to cross K/V once."""
-        b, _, d = audio.shape
-        n = len(self.layers)
-        self_k = audio.new_empty(n, b, max_len, d)
-        self_v = audio.new_empty(n, b, max_len, d)
+        b, t_audio, d = audio.shape
+        n, h = len(self.layers), self.layers[0].n_head
+        cache = KVCache(audio.new_empty(n, b, max_len, d), audio.new_empty(n, b, max_len, d),
+                        audio.new_empty(n, b, h, t_audio, d // h), audio.new_empty(n, b, h, t_audio, d // h))
+        self.project_audio(audio, cache.cross_k, cache.cross_v)
+        return cache
+
+    def project_audio(self, audio: Tensor, cross_k: Tensor, cross_v: Tensor) -> None:
+        """audio [n, T_a, d] -> every layer's cross K/V, written into cross_k / cross_v
+        [layers, n, heads, T_a, d / heads] (views of a larger buffer are fine)."""
         h = self.layers[0].n_head
-        cross_k = audio.new_empty(n, b, h, audio.shape[1], d // h)
-        cross_v = torch.empty_like(cross_k)
         for i, layer in enumerate(self.layers):
             k, v = layer.cross.kv(audio).chunk(2, dim=-1)
             cross_k[i].copy_(_heads(k, h))
             cross_v[i].copy_(_heads(v, h))
-        return KVCache(self_k, self_v, cross_k, cross_v)
 
     def forward(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """tokens: [n, T] ids for positions cache.length..+T -> logits [n, T, n_vocab] (fp32)."""
         t = tokens.shape[1]
         if cache.length + t > self.pos.shape[0]:
             raise ValueError(f"decoder length {cache.length + t} exceeds n_text_ctx={self.pos.shape[0]}")
-        x = self.embed(tokens) + self.pos[cache.length:cache.length + t]
+        logits = self.logits(self.embed(tokens) + self.pos[cache.length:cache.length + t], cache)
+        cache.length += t
+        return logits
+
+    def logits(self, x: Tensor, cache) -> Tensor:
+        """Embedded tokens with positions [n, T, d] through every layer (their K/V into `cache`,
+        a KVCache or a whisper_static.StaticCache) -> logits [n, T, n_vocab] in fp32."""
         for i, layer in enumerate(self.layers):
             x = layer(x, cache, i)
-        cache.length += t
         return linear(self.ln(x), self.embed.weight, None).float()
 
 

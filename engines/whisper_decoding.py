@@ -2,12 +2,15 @@
 
 One batch = up to `batch_size` windows (<= 30 s each): the encoder runs once on all of them,
 cross-attention K/V are projected once, and the decoder advances every live window by one token
-per step. Rules follow OpenAI `decoding.py` at temperature 0: suppress_tokens "-1" (non-speech
-symbols + control tokens), suppress_blank at the first step, and ApplyTimestampRules
-(timestamps in pairs, non-decreasing, initial timestamp <= 1 s, timestamps forced when their
-total probability beats every text token). Per window we also compute OpenAI's no-speech
-probability and zlib compression ratio; loops (ratio > 2.4) are cut early and their repeated
-tail dropped, since with temperature 0 only there is no fallback decode to switch to.
+per step, filtered by `whisper_rules.Rules` (OpenAI `decoding.py` at temperature 0). Per window
+we also compute OpenAI's no-speech probability and zlib compression ratio; loops (ratio > 2.4)
+are cut early and their repeated tail dropped, since with temperature 0 only there is no
+fallback decode to switch to.
+
+Two loops share the rules, the host bookkeeping (`Progress`), the loop check and the results:
+`_greedy` (eager: reads every token back, compacts finished rows away) and `_chunked` (the
+CUDA-graph modes of `whisper_graph.py`: `loop_check_every` steps on the device between host
+reads, the loop check at the same steps as eager).
 """
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ import torch
 from torch import Tensor
 
 from engines.cpu_threads import decoder_threads
-from engines.whisper import Whisper
+from engines.decode_graphs import DecodeMode
+from engines.whisper import KVCache, Whisper
+from engines.whisper_graph import Runner, WhisperGraphs
+from engines.whisper_rules import RuleState, Rules
+from engines.whisper_static import StaticDecoding
 from engines.whisper_tokenizer import TIME_PRECISION, WhisperTokenizer
-
-NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class DecodeOptions:
     compression_ratio_threshold: float | None = 2.4
     no_speech_threshold: float | None = 0.6
     logprob_threshold: float | None = -1.0
-    loop_check_every: int = 16  # steps between repetition checks
+    loop_check_every: int = 16  # steps between repetition checks (the graph modes' steps per host read)
     # Token steps are many tiny ops; on a busy few-core CPU, OpenMP workers waiting on each
     # other cost more than they save (measured 8x slower per step with 2 threads under load).
     decoder_threads: int | None = 1  # None: keep torch's current setting
@@ -83,125 +88,149 @@ def trim_repetition(tokens: list[int], max_period: int = 64) -> list[int]:
     return tokens
 
 
-class _Rules:
-    """Vectorised logit filters; state is per live row: last / penultimate token kinds."""
+class Progress:
+    """The host's view of one batch: buffer row -> window (-1 once finished), each window's
+    tokens and log-probability sum, and whether a repetition loop cut it."""
 
-    def __init__(self, tok: WhisperTokenizer, opts: DecodeOptions, suppress: list[int], device):
-        self.tok, self.opts = tok, opts
-        self.suppress = torch.tensor(suppress, dtype=torch.long, device=device)
-        self.blank = torch.tensor(tok.encode_pretoken(" ") + [tok.eot], device=device) \
-            if tok.merges else torch.tensor([220, tok.eot], device=device)
-        self.ts0, self.eot = tok.timestamp_begin, tok.eot
-        self.max_init = round(opts.max_initial_timestamp / TIME_PRECISION)
+    def __init__(self, n: int, rows: int | None = None):
+        self.rows = list(range(n)) + [-1] * ((rows or n) - n)  # extra rows: padding, never live
+        self.out: list[list[int]] = [[] for _ in range(n)]
+        self.sum_lp, self.looped = [0.0] * n, [False] * n
 
-    def reset(self, n: int, device) -> None:
-        self.last = torch.zeros(n, dtype=torch.bool, device=device)
-        self.penult = torch.ones(n, dtype=torch.bool, device=device)
-        self.ts_last = torch.full((n,), -1, dtype=torch.long, device=device)
+    def record(self, tokens: list[list[int]], logprobs: list[list[float]], eot: int) -> None:
+        """Steps of tokens and log-probabilities, [step][buffer row], onto the live windows."""
+        for step_tokens, step_lps in zip(tokens, logprobs):
+            for r, (t, lp) in enumerate(zip(step_tokens, step_lps)):
+                w = self.rows[r]
+                if w < 0:
+                    continue
+                self.sum_lp[w] += lp  # OpenAI counts the <|endoftext|> logprob too
+                if t == eot:
+                    self.rows[r] = -1
+                else:
+                    self.out[w].append(t)
 
-    def keep(self, rows: Tensor) -> None:
-        self.last, self.penult, self.ts_last = self.last[rows], self.penult[rows], self.ts_last[rows]
-
-    def update(self, nxt: Tensor, step: int) -> None:
-        is_ts = nxt >= self.ts0
-        self.penult = torch.ones_like(self.last) if step == 0 else self.last
-        self.last = is_ts
-        self.ts_last = torch.where(is_ts, nxt - self.ts0, self.ts_last)
-
-    def apply(self, logits: Tensor, step: int) -> Tensor:
-        """logits: [n, V] fp32, filtered in place and returned."""
-        logits[:, self.suppress] = NEG_INF
-        if step == 0 and self.opts.suppress_blank:
-            logits[:, self.blank] = NEG_INF
-        if not self.opts.timestamps:
-            return logits
-        ts0 = self.ts0
-        logits[:, self.tok.no_timestamps] = NEG_INF
-        if step == 0:
-            logits[:, :ts0] = NEG_INF
-            logits[:, ts0 + self.max_init + 1:] = NEG_INF
-            return logits
-        pair_open = self.last & ~self.penult  # just closed a segment or opened one: no text
-        logits[self.last & self.penult, ts0:] = NEG_INF
-        logits[pair_open, :self.eot] = NEG_INF
-        lower = torch.where(pair_open, self.ts_last, self.ts_last + 1).clamp_min(0)
-        cols = torch.arange(logits.shape[1] - ts0, device=logits.device)
-        logits[:, ts0:].masked_fill_(cols[None, :] < lower[:, None], NEG_INF)
-        # OpenAI compares log-probabilities; both sides share the normaliser, so raw logits do.
-        force_ts = logits[:, ts0:].logsumexp(-1) > logits[:, :ts0].max(-1).values
-        logits[force_ts, :ts0] = NEG_INF
-        return logits
+    def live(self) -> list[int]:
+        return [r for r, w in enumerate(self.rows) if w >= 0]
 
 
 class GreedyDecoder:
-    """Batched temperature-0 decoding of mel windows with a Whisper model."""
+    """Batched temperature-0 decoding of mel windows with a Whisper model.
+
+    The token loop runs eagerly (`_greedy`, the default) or, after `set_mode`, in one of the
+    CUDA-graph modes of `whisper_graph.py` over the same rules, progress and result code."""
 
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, options: DecodeOptions = DecodeOptions(),
                  suppress_tokens: list[int] | None = None):
         self.model, self.tok, self.opts = model, tokenizer, options
         self.device = model.decoder.embed.weight.device
-        suppress = tokenizer.suppress_tokens() if suppress_tokens is None else suppress_tokens
-        self.rules = _Rules(tokenizer, options, suppress, self.device)
+        self.suppress = tokenizer.suppress_tokens() if suppress_tokens is None else list(suppress_tokens)
+        self.rules = Rules(tokenizer, options, self.suppress, model.dims.n_vocab, self.device)
         self.prompt = tokenizer.sot_sequence(options.language, options.timestamps)
+        self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
+        self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
+
+    @property
+    def mode(self) -> str:
+        """The decoder mode in use: "full-graph", "unrolled" or "eager"."""
+        return self.graphs.mode.value
+
+    def set_mode(self, requested: str = "auto") -> str:
+        """Choose the decoder mode ("auto", "full-graph", "unrolled", "eager") for the model's
+        device; a fallback is logged once. Returns the mode chosen."""
+        return self.graphs.set_mode(requested, self.device).value
+
+    def reserve(self, max_batch: int) -> None:
+        """Smallest batch the graph modes build their static buffers for."""
+        self.graphs.reserve(max_batch)
 
     @torch.inference_mode()
     def decode(self, mel: Tensor) -> list[WindowResult]:
         """mel: [B, n_mels, 3000] -> one WindowResult per window (same order)."""
-        audio = self.model.encoder(mel.to(self.device, self.model.decoder.embed.weight.dtype))
+        return self.decode_audio(self.model.encoder(mel.to(self.device, self.model.decoder.embed.weight.dtype)))
+
+    @torch.inference_mode()
+    def decode_audio(self, audio: Tensor) -> list[WindowResult]:
+        """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use."""
         with decoder_threads(self.device, self.opts.decoder_threads):
+            if self.graphs.mode is not DecodeMode.EAGER:
+                built = self.graphs.ready(audio.shape[0])  # None once a failed capture fell back to eager
+                if built is not None:
+                    return self._chunked(audio, *built)
             return self._greedy(audio)
+
+    def start(self, cache: KVCache, n: int) -> tuple[Tensor, Tensor]:
+        """Run the prompt for n windows into `cache` (cross K/V already there) -> the first
+        step's logits [n, V] fp32 and the no-speech probabilities [n] (CPU)."""
+        prompt = torch.tensor(self.prompt, device=self.device).expand(n, -1)
+        logits = self.model.decoder(prompt, cache)
+        no_speech = torch.zeros(n)
+        if self.tok.no_speech >= 0:  # OpenAI reads it at the <|startoftranscript|> position
+            no_speech = logits[:, 0].softmax(-1)[:, self.tok.no_speech].cpu()
+        return logits[:, -1], no_speech
 
     def _greedy(self, audio: Tensor) -> list[WindowResult]:
         """audio: encoder states [B, n_audio_ctx, d] -> results (cross K/V projected once)."""
-        model, opts, tok = self.model, self.opts, self.tok
         b = audio.shape[0]
-        cache = model.decoder.new_cache(audio, opts.max_length)
+        cache = self.model.decoder.new_cache(audio, self.opts.max_length)
         del audio
-        prompt = torch.tensor(self.prompt, device=self.device).expand(b, -1)
-        logits = model.decoder(prompt, cache)
-        no_speech = torch.zeros(b)
-        if tok.no_speech >= 0:  # OpenAI reads it at the <|startoftranscript|> position
-            no_speech = logits[:, 0].softmax(-1)[:, tok.no_speech].cpu()
-        logits = logits[:, -1]
-        self.rules.reset(b, self.device)
-        rows = list(range(b))  # cache row -> window index, -1 once finished
-        out: list[list[int]] = [[] for _ in range(b)]
-        sum_lp, looped = [0.0] * b, [False] * b
-        for step in range(opts.max_length - len(self.prompt)):
-            filtered = self.rules.apply(logits, step)
-            nxt = filtered.argmax(-1)
-            lp = filtered.gather(1, nxt[:, None])[:, 0] - filtered.logsumexp(-1)
-            self.rules.update(nxt, step)
-            for r, (t, l) in enumerate(zip(nxt.tolist(), lp.tolist())):
-                w = rows[r]
-                if w < 0:
-                    continue
-                sum_lp[w] += l  # OpenAI counts the <|endoftext|> logprob too
-                if t == tok.eot:
-                    rows[r] = -1
-                else:
-                    out[w].append(t)
-            if (step + 1) % opts.loop_check_every == 0:
-                self._stop_loops(rows, out, looped)
-            live = [r for r, w in enumerate(rows) if w >= 0]
-            if not live or cache.length >= opts.max_length:
+        logits, no_speech = self.start(cache, b)
+        state, progress = RuleState.new(b, self.device), Progress(b)
+        for step in range(self.n_steps):
+            nxt, lp = self.rules.next_token(logits, state)
+            progress.record([nxt.tolist()], [lp.tolist()], self.tok.eot)  # one host sync per token
+            if (step + 1) % self.opts.loop_check_every == 0:
+                self.stop_loops(progress)
+            live = progress.live()
+            if not live or step + 1 == self.n_steps:
                 break
-            if len(live) <= 0.75 * len(rows):  # compact: finished rows stop costing compute
+            if len(live) <= 0.75 * len(progress.rows):  # compact: finished rows stop costing compute
                 keep = torch.tensor(live, device=self.device)
                 cache.keep(keep)
-                self.rules.keep(keep)
-                nxt, rows = nxt[keep], [rows[r] for r in live]
-            logits = model.decoder(nxt[:, None], cache)[:, 0]
-        return [self._result(out[w], sum_lp[w], float(no_speech[w]), looped[w]) for w in range(b)]
+                state = state.select(keep)
+                nxt, progress.rows = nxt[keep], [progress.rows[r] for r in live]
+            logits = self.model.decoder(nxt[:, None], cache)[:, 0]
+        return self.results(progress, no_speech)
 
-    def _stop_loops(self, rows: list[int], out: list[list[int]], looped: list[bool]) -> None:
-        """Finish rows whose text already compresses like a repetition loop."""
-        thr = self.opts.compression_ratio_threshold
+    def _chunked(self, audio: Tensor, static: StaticDecoding, runner: Runner) -> list[WindowResult]:
+        """The graph modes' loop: `runner.steps` steps on the device per chunk, then one host
+        read of the chunk's tokens. The loop check runs where eager runs it (every
+        `loop_check_every` steps, which chunks never straddle); when fewer live rows fit a
+        smaller batch bucket, they move to the front of the static buffers and its graph runs."""
+        n = audio.shape[0]
+        no_speech = static.load(audio)
+        b = static.bucket(n)
+        progress, s0 = Progress(n, rows=b), 0
+        while s0 < self.n_steps:
+            runner.run(b)
+            s1 = min(s0 + runner.steps, self.n_steps)
+            progress.record(*static.read(s0, s1, b), self.tok.eot)
+            changed = s1 % self.opts.loop_check_every == 0 and self.stop_loops(progress)
+            s0, live = s1, progress.live()
+            if not live:
+                break
+            if static.bucket(len(live)) < b:
+                b = static.bucket(len(live))
+                static.keep(live, positions=len(self.prompt) + s0)
+                progress.rows = [progress.rows[r] for r in live] + [-1] * (b - len(live))
+                changed = True
+            if changed:  # loop cuts and moved rows: the device learns which rows are done
+                static.set_done([w < 0 for w in progress.rows])
+        return self.results(progress, no_speech)
+
+    def stop_loops(self, progress: Progress) -> bool:
+        """Finish rows whose text already compresses like a repetition loop; True if any."""
+        thr, cut = self.opts.compression_ratio_threshold, False
         if thr is None:
-            return
-        for r, w in enumerate(rows):
-            if w >= 0 and len(out[w]) >= 32 and compression_ratio(self.tok.decode(out[w])) > thr:
-                rows[r], looped[w] = -1, True
+            return cut
+        for r, w in enumerate(progress.rows):
+            if w >= 0 and len(progress.out[w]) >= 32 and compression_ratio(self.tok.decode(progress.out[w])) > thr:
+                progress.rows[r], progress.looped[w], cut = -1, True, True
+        return cut
+
+    def results(self, progress: Progress, no_speech: Tensor) -> list[WindowResult]:
+        return [self._result(out, lp, float(ns), looped)
+                for out, lp, ns, looped in zip(progress.out, progress.sum_lp, no_speech, progress.looped)]
 
     def _result(self, tokens: list[int], sum_lp: float, no_speech: float, looped: bool) -> WindowResult:
         tok, opts = self.tok, self.opts

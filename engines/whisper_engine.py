@@ -8,7 +8,9 @@ of each <= 30 s piece in the preprocessing workers, `transcribe_features` decode
     -> [(text, [(start_s, end_s, text), ...]), ...]  # times relative to each window's start
 
 Windows are sorted longest first and decoded `batch_size` at a time (one encoder pass per
-batch, see `whisper_decoding.GreedyDecoder`), then returned in the caller's order.
+batch, see `whisper_decoding.GreedyDecoder`), then returned in the caller's order. The token
+loop runs in a decoder mode (`decoder_mode`: auto, full-graph, unrolled, eager; see
+`whisper_graph.py`): auto is eager on the CPU and a CUDA-graph mode on CUDA.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engines.decode_graphs import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
 from transcribe.results import Result, Segment
 from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, FeatureConfig,
@@ -82,8 +85,13 @@ class WhisperEngine:
         self.bucket_edges_s = (WINDOW_SECONDS,)  # every window costs a full 30 s encoder pass
         self.stage_seconds: dict[str, float] = defaultdict(float)
 
+    @property
+    def runtime(self) -> str:
+        """How the model runs, for the one-line startup note: the decoder mode."""
+        return f"decoder {self.decoder.mode}"
+
     @classmethod
-    def load(cls, name: str, device: str = "auto") -> "WhisperEngine":
+    def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto") -> "WhisperEngine":
         """A registry name: `whisper-base` is the bundled model (fp16 on CUDA, fp32 on CPU)."""
         from engines.parakeet import pick_device
 
@@ -91,23 +99,26 @@ class WhisperEngine:
             raise ValueError(f"unknown Whisper model {name!r} (bundled: whisper-base)")
         device = pick_device(device)
         dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        engine = cls.from_bundled(device=device, dtype=dtype)
+        engine = cls.from_bundled(device=device, dtype=dtype, decoder_mode=decoder_mode)
         engine.name = name
         return engine
 
     @classmethod
-    def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None) -> "WhisperEngine":
+    def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None,
+                  decoder_mode: str = "auto") -> "WhisperEngine":
         """A local checkpoint (CT2 folder or model.bin, OpenAI .pt, HF safetensors file or folder)."""
         from engines.parakeet import pick_device
 
         device = pick_device(device)
         dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        engine = cls.from_checkpoint(path, device=device, dtype=dtype)
+        engine = cls.from_checkpoint(path, device=device, dtype=dtype, decoder_mode=decoder_mode)
         engine.name = name or str(path)
         return engine
 
     def reserve(self, max_items: int) -> None:
-        """Nothing to preallocate ahead: the KV cache is sized per batch by the decoder."""
+        """The graph modes' static buffers are built for at least this many windows (at the first
+        batch); eager decoding sizes its cache per batch."""
+        self.decoder.reserve(min(max_items, self.batch_size))
 
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
         return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in pieces])
@@ -136,13 +147,14 @@ class WhisperEngine:
     def from_checkpoint(cls, path: str | Path | None, tokenizer: str | Path | None = None,
                         options: DecodeOptions = DecodeOptions(), batch_size: int = 16,
                         device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        threads: int | None = None) -> "WhisperEngine":
+                        threads: int | None = None, decoder_mode: str = "auto") -> "WhisperEngine":
         """Load weights (CT2 folder / model.bin, OpenAI .pt, HF safetensors; None = bundled base).
 
         The tokenizer is `tokenizer`, else tokenizer.json / vocabulary.txt beside the weights,
         else the bundled multilingual one when the vocab size matches it. Suppressed tokens come
         from a CT2 config.json when present, else from the tokenizer. CPU threads default to
-        the usable cores.
+        the usable cores. `decoder_mode`: auto, full-graph, unrolled or eager (a graph mode that
+        cannot run falls back, logged once).
         """
         import json
         import os
@@ -151,6 +163,7 @@ class WhisperEngine:
         from engines.whisper_tokenizer import load_tokenizer
         from engines.whisper_weights import bundled_base_dir, load_any, load_ct2
 
+        DecodeMode(decoder_mode)  # a bad name fails before the load
         torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
         if path is None:
             parts, folder = bundled_base_dir()
@@ -168,7 +181,9 @@ class WhisperEngine:
         cfg = folder / "config.json"
         suppress = json.loads(cfg.read_text()).get("suppress_ids") if cfg.is_file() else None
         model = build_whisper(dims, state, device, dtype)
-        return cls(GreedyDecoder(model, tok, options, suppress), batch_size)
+        decoder = GreedyDecoder(model, tok, options, suppress)
+        decoder.set_mode(decoder_mode)
+        return cls(decoder, batch_size)
 
     def decode_windows(self, windows: list) -> list[WindowResult]:
         """windows: 1-D float arrays (numpy or torch) of <= 30 s at 16 kHz -> WindowResults."""

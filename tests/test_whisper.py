@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.whisper_decoding import DecodeOptions, GreedyDecoder, _Rules, compression_ratio, trim_repetition
+from engines.whisper_decoding import DecodeOptions, GreedyDecoder, compression_ratio, trim_repetition
+from engines.whisper_rules import RuleState, Rules
 from engines.whisper_tokenizer import WhisperTokenizer, load_tokenizer
 from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
 from conftest import SPEECH
@@ -104,27 +105,27 @@ def test_bundled_tokenizer_matches_ct2_suppress_list(bundled):
 def test_timestamp_rules():
     tok = _fake_vocab(True)
     ts0, v = tok.timestamp_begin, len(tok.tokens)
-    rules = _Rules(tok, DecodeOptions(), suppress=[4], device="cpu")
-    rules.reset(2, "cpu")
-    first = rules.apply(torch.zeros(2, v), 0)
+    rules = Rules(tok, DecodeOptions(), suppress=[4], n_vocab=v, device="cpu")
+    state = RuleState.new(2, "cpu")
+    first = rules.apply(torch.zeros(2, v), state)
     allowed = torch.isfinite(first[0]).nonzero()[:, 0].tolist()
     assert allowed == list(range(ts0, ts0 + 51))  # only <|0.00|> .. <|1.00|> may start
-    rules.update(torch.tensor([ts0 + 5, ts0 + 5]), 0)
+    rules.update(torch.tensor([ts0 + 5, ts0 + 5]), state)
     logits = torch.zeros(2, v)
     logits[:, ts0 + 7] = 5.0
-    after_open = rules.apply(logits, 1)
+    after_open = rules.apply(logits, state)
     assert torch.isinf(after_open[:, ts0:]).all() and torch.isfinite(after_open[:, 3]).all()
-    rules.update(torch.tensor([3, 3]), 1)
-    rules.update(torch.tensor([ts0 + 9, 3]), 2)  # row 0 closes a segment, row 1 continues text
+    rules.update(torch.tensor([3, 3]), state)
+    rules.update(torch.tensor([ts0 + 9, 3]), state)  # row 0 closes a segment, row 1 continues text
     logits = torch.zeros(2, v)
     logits[:, tok.eot] = 10.0  # beats the ~1500 timestamps' total (log 1500 = 7.3) so text stays
-    out = rules.apply(logits, 3)
+    out = rules.apply(logits, state)
     assert torch.isinf(out[0, :tok.eot]).all() and torch.isfinite(out[0, tok.eot])
     assert torch.isinf(out[0, ts0:ts0 + 9]).all() and torch.isfinite(out[0, ts0 + 9:]).all()
     assert torch.isinf(out[1, ts0:ts0 + 6]).all() and torch.isinf(out[:, 4]).all()
     assert torch.isfinite(out[1, :4]).all() and torch.isfinite(out[1, ts0 + 6:]).all()
     logits = torch.zeros(2, v)  # flat text vs 1500 timestamps: the timestamp mass wins
-    assert torch.isinf(rules.apply(logits, 3)[1, :ts0]).all()
+    assert torch.isinf(rules.apply(logits, state)[1, :ts0]).all()
 
 
 def test_repetition_helpers():
@@ -158,6 +159,6 @@ def test_bundled_base_transcribes_real_speech(bundled):
     # Digital silence: base says "you" with no_speech_prob 0.93 but avg_logprob -0.82, which
     # OpenAI's rule keeps (logprob above -1); without the logprob guard it must be dropped.
     strict = GreedyDecoder(engine.decoder.model, engine.decoder.tok, DecodeOptions(logprob_threshold=None),
-                           engine.decoder.rules.suppress.tolist())
+                           engine.decoder.suppress)
     silent = strict.decode(log_mel_spectrogram(torch.zeros(1, 16000)))[0]
     assert silent.no_speech_prob > 0.6 and silent.text == "" and silent.segments == ()

@@ -24,7 +24,8 @@ sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_a
 
 WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
 BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
-DECODER_MODE_HELP = "Parakeet decoder loop: auto (best the GPU supports), full-graph, unrolled, eager (CPU: eager)."
+DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (best the GPU supports), full-graph, unrolled, eager (CPU: eager)."
+FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
 
@@ -34,7 +35,8 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
-             workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto"):
+             workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
+             features_on: str = "auto"):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it."""
     from engines.checkpoint import CheckpointError
@@ -43,12 +45,15 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     from transcribe.workers import Prespawned, default_workers
     from engines.decode_graphs import DecodeMode
     from engines.encoder_backend import BACKENDS
+    from transcribe.audio_frontend import FEATURES_ON
 
     if encoder_backend not in BACKENDS:
         raise _fail(f"--encoder-backend {encoder_backend!r}: expected one of {', '.join(BACKENDS)}", EXIT_USAGE)
     if decoder_mode not in [m.value for m in DecodeMode]:
         raise _fail(f"--decoder-mode {decoder_mode!r}: expected one of {', '.join(m.value for m in DecodeMode)}",
                     EXIT_USAGE)
+    if features_on not in FEATURES_ON:
+        raise _fail(f"--features-on {features_on!r}: expected one of {', '.join(FEATURES_ON)}", EXIT_USAGE)
 
     try:
         files = shard(discover(inputs), shard_spec)
@@ -60,13 +65,13 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     spares = Prespawned(workers or default_workers())
     engine = None
     try:
-        engine = load_engine(model, device, encoder_backend, decoder_mode)
+        engine = load_engine(model, device, encoder_backend, decoder_mode, features_on)
     except (CheckpointError, ValueError, OSError) as e:
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do
             spares.close()
-    runtime = getattr(engine, "runtime", "")  # Parakeet: encoder backend and decoder mode
+    runtime = getattr(engine, "runtime", "")  # Parakeet: encoder backend, decoder mode, features
     typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
     return files, engine, time.perf_counter() - t0, spares
 
@@ -88,6 +93,7 @@ def transcribe(
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
     encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
     decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
+    features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import parse_formats
@@ -97,7 +103,8 @@ def transcribe(
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
-    files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode)
+    files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
+                                        features_on)
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares))
@@ -122,12 +129,14 @@ def bench(
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
     encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
     decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
+    features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
     t0 = time.perf_counter()
-    files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode)
+    files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
+                                             features_on)
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,

@@ -44,8 +44,9 @@ IDLE_S = 0.05  # poll interval of the main loop while no piece waits
 class Frontend(Protocol):
     """Audio piece -> features, run in the preprocessing workers; must pickle (plain `pickle`).
 
-    Parakeet: `engines.parakeet.LogMelFrontend` (NeMo log-mel, F = valid frames). A Whisper
-    engine provides its own, e.g. 80/128 mels over a 30 s window: F = 3000 for every piece.
+    Parakeet: `engines.parakeet.LogMelFrontend` (NeMo log-mel, F = valid frames), or with
+    features on the device `transcribe.audio_frontend.AudioFrontend` (the samples: n_mels = 1,
+    F = T). A Whisper engine provides its own, e.g. 80/128 mels over a 30 s window: F = 3000.
     """
 
     sample_rate: int  # Hz the audio is resampled to
@@ -69,7 +70,8 @@ class Engine(Protocol):
 
     def reserve(self, max_items: int) -> None: ...  # preallocate batch buffers, once at startup
 
-    # [n_mels, F_i] float32 (views into shared memory: copy before returning) -> Result per piece
+    # frontend outputs [n_mels, F_i] float32 (views into shared memory: copy before returning)
+    # -> Result per piece
     def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]: ...
 
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...  # frontend + the above

@@ -27,7 +27,8 @@ from transcribe.shm import Slab, SlabSpec
 
 @dataclass(frozen=True)
 class Piece:
-    """One piece's features in the slab: float32 [n_mels, frames] at the start of `slot`."""
+    """One piece's frontend output in the slab: float32 [n_mels, frames] at the start of `slot`
+    (with features on the device, its audio: n_mels = 1, frames = samples)."""
 
     fid: int
     index: int  # position in its file

@@ -7,6 +7,8 @@
 #   bash bench/gpu/on_device.sh bench     # 618M model: RTFx from files per backend and mode,
 #                                         # decoder-only speed-ups, NeMo on the same GPU
 #   bash bench/gpu/on_device.sh stream    # streaming load on the 618M shape (streams at p95 < 300 ms)
+#   bash bench/gpu/on_device.sh features  # 618M model: log-mel in the workers vs on the GPU, micro
+#                                         # (batched vs per piece) and end to end (RTFx, stages)
 #
 # Logs and JSON go to $OUT (the tool brings them back). The machine starts bare, so every call
 # installs the kit's wheels again (pure unpacking, seconds).
@@ -39,7 +41,9 @@ make_model() {
 case "${1:-tests}" in
   tests)
     python3 -m pytest -q -rs tests/test_decode_graphs.py tests/test_encoder_backends_gpu.py \
-      tests/test_stream_attention_triton.py tests/test_encoder_backends.py tests/test_decoding.py 2>&1 | tee "$OUT/gpu_tests.log"
+      tests/test_stream_attention_triton.py tests/test_encoder_backends.py tests/test_decoding.py \
+      tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
+      2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   bench)
     make_model
@@ -53,5 +57,13 @@ case "${1:-tests}" in
         --audio ../shared/data/speech/librispeech_test_other --json "$OUT/stream_$n.json" 2>&1 | tail -5
     done | tee "$OUT/stream.log"
     ;;
-  *) echo "usage: on_device.sh tests|bench|stream"; exit 2 ;;
+  features)
+    make_model
+    python3 bench/features_device.py --model "$MODEL" --device cuda --audio ../shared/data/speech/librispeech_test_other \
+      --json "$OUT/features_device.json" 2>&1 | tee "$OUT/features.log"
+    python3 bench/gpu_bench.py --model "$MODEL" --audio ../shared/data/speech/librispeech_test_other --min-hours 1 \
+      --backends cuda-graphs --modes auto --features-on workers,device --json "$OUT/gpu_bench_features.json" \
+      2>&1 | tee -a "$OUT/features.log"
+    ;;
+  *) echo "usage: on_device.sh tests|bench|stream|features"; exit 2 ;;
 esac
