@@ -46,7 +46,7 @@ from transcribe.inputs import discover  # noqa: E402
 from transcribe.pipeline import run  # noqa: E402
 from transcribe.workers import Prespawned, default_workers  # noqa: E402
 
-BASELINE = ("torch", "eager", "workers")
+BASELINE = ("torch", "eager", "workers", "float32")
 
 
 def repeat_inputs(src: Path, min_hours: float, dest: Path) -> tuple[Path, float, int]:
@@ -81,14 +81,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def pipeline_run(model: str, manifest: Path, backend: str, mode: str, features_on: str, a) -> dict:
+def pipeline_run(model: str, manifest: Path, backend: str, mode: str, features_on: str, dtype: str, a) -> dict:
     """One configuration end to end from files; its transcripts are returned for comparison."""
     _free()
     t0 = time.perf_counter()
     # Workers start while the model loads, as in the CLI: their spawn is not in the timed run.
     with Prespawned(a.workers or default_workers()) as spares, tempfile.TemporaryDirectory() as out:
         engine = ParakeetEngine.from_nemo(model, a.device, encoder_backend=backend, decoder_mode=mode,
-                                          features_on=features_on)
+                                          features_on=features_on, dtype=dtype)
         engine.reserve(64)  # the pipeline reserves again for its own batch size; graphs are kept
         _sync(a.device)
         load_s = time.perf_counter() - t0
@@ -96,7 +96,7 @@ def pipeline_run(model: str, manifest: Path, backend: str, mode: str, features_o
                     force=True, workers=a.workers, progress=False, prespawned=spares)
     row = {
         "encoder_backend": backend, "decoder_mode_requested": mode, "features_on": features_on,
-        "runtime": engine.runtime,
+        "dtype": dtype, "runtime": engine.runtime,
         "load_and_capture_seconds": round(load_s, 2), "audio_seconds": round(stats.audio_seconds, 1),
         "wall_seconds": round(stats.wall_seconds, 3), "rtfx": round(stats.rtfx, 1),
         "files_failed": stats.files_failed, "padding_fraction": round(stats.padding_fraction, 4),
@@ -143,7 +143,7 @@ def features_on_summary(runs: list[dict], backend: str) -> dict:
     """`backend`/auto with features in the workers vs on the device: RTFx and the stages that
     move (the workers' log-mel leaves them; the engine's batch copies audio, then computes it)."""
     rows = {r["features_on"]: r for r in runs
-            if "rtfx" in r and (r["encoder_backend"], r["decoder_mode_requested"]) == (backend, "auto")}
+            if "rtfx" in r and (r["encoder_backend"], r["decoder_mode_requested"], r["dtype"]) == (backend, "auto", "float32")}
     moved = ("preprocess_features", "preprocess_to_slab", "batch", "features", "encoder")
     out = {f: {"rtfx": r["rtfx"], **{k: r["stages"].get(k, 0.0) for k in moved}} for f, r in rows.items()}
     if "workers" in out and "device" in out:
@@ -151,9 +151,10 @@ def features_on_summary(runs: list[dict], backend: str) -> dict:
     return out
 
 
-def nemo_peer(a, manifest: Path, out: Path) -> dict | None:
+def nemo_peer(a, manifest: Path, out: Path, dtype: str) -> dict | None:
     cmd = [a.nemo_python, str(Path(__file__).with_name("nemo_peer.py")), "--model", a.model, "--manifest",
-           str(manifest), "--device", a.device, "--batch-size", str(a.nemo_batch_size), "--json", str(out)]
+           str(manifest), "--device", a.device, "--batch-size", str(a.nemo_batch_size), "--dtype", dtype,
+           "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         print(f"NeMo peer failed ({p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
@@ -171,6 +172,8 @@ def main() -> int:
     ap.add_argument("--backends", default="torch,cuda-graphs,tensorrt")
     ap.add_argument("--modes", default="eager,unrolled,full-graph")
     ap.add_argument("--features-on", default="workers,device", help="where log-mel runs (default encoder, auto decoder)")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="encoder compute dtypes (default backend, auto decoder); NeMo runs each as autocast")
     ap.add_argument("--batch-seconds", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--decoder-reps", type=int, default=5)
@@ -190,17 +193,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         manifest, audio_s, reps = repeat_inputs(Path(a.audio), a.min_hours, Path(tmp))
         report.update(audio_seconds=round(audio_s, 1), repeats=reps)
-        configs = ([BASELINE] + [(b, "auto", "workers") for b in backends if b != "torch"]
-                   + [("cuda-graphs", m, "workers") for m in modes]
-                   + [(default_backend, "auto", f) for f in a.features_on.split(",")])
+        dtypes = a.dtypes.split(",")
+        configs = ([BASELINE] + [(b, "auto", "workers", "float32") for b in backends if b != "torch"]
+                   + [("cuda-graphs", m, "workers", "float32") for m in modes]
+                   + [(default_backend, "auto", f, "float32") for f in a.features_on.split(",")]
+                   + [(default_backend, "auto", "workers", d) for d in dtypes])
         runs, base = [], None
-        for backend, mode, features_on in dict.fromkeys(configs):
+        for backend, mode, features_on, dtype in dict.fromkeys(configs):
             try:
-                res = pipeline_run(a.model, manifest, backend, mode, features_on, a)
+                res = pipeline_run(a.model, manifest, backend, mode, features_on, dtype, a)
             except (RuntimeError, ValueError, ImportError) as e:  # e.g. tensorrt missing: say so, go on
                 runs.append({"encoder_backend": backend, "decoder_mode_requested": mode, "features_on": features_on,
-                             "error": f"{type(e).__name__}: {e}"})
-                print(f"{backend}/{mode}/{features_on}: {e}", file=sys.stderr)
+                             "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
+                print(f"{backend}/{mode}/{features_on}/{dtype}: {e}", file=sys.stderr)
                 continue
             base = base if base is not None else res["texts"]
             res["row"]["mismatched_files"] = sum(res["texts"].get(k) != v for k, v in base.items())
@@ -212,17 +217,22 @@ def main() -> int:
         report["decoder_only"] = decoder_only(a.model, manifest, modes, a.decoder_reps, a.decoder_batch, a.device)
         print(json.dumps(report["decoder_only"]), flush=True)
         if a.nemo_python:
-            report["nemo"] = nemo_peer(a, manifest, Path(tmp) / "nemo.json")
+            report["nemo"] = {d: nemo_peer(a, manifest, Path(tmp) / f"nemo_{d}.json", d) for d in dtypes}
+    # Same precision on both sides: our best run in each dtype against NeMo in that dtype.
+    report["vs_nemo"] = {}
+    for d in dtypes:
+        best_d = max((r for r in runs if "rtfx" in r and r["dtype"] == d), key=lambda r: r["rtfx"], default=None)
+        nemo_d = ((report.get("nemo") or {}).get(d) or {}).get("rtfx_steady")
+        if best_d and nemo_d:
+            report["vs_nemo"][d] = {"ours": best_d["rtfx"], "runtime": best_d["runtime"], "nemo": nemo_d,
+                                    "ratio": round(best_d["rtfx"] / nemo_d, 2)}
     best = max((r for r in runs if "rtfx" in r), key=lambda r: r["rtfx"], default=None)
-    nemo_rtfx = (report.get("nemo") or {}).get("rtfx_steady")
-    if best and nemo_rtfx:
-        report["best_vs_nemo"] = round(best["rtfx"] / nemo_rtfx, 2)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{report['gpu']}: {report['audio_seconds'] / 3600:.2f} h; best RTFx "
-          f"{best['rtfx'] if best else None} ({best['runtime'] if best else '-'}); NeMo RTFx {nemo_rtfx}; "
-          f"ratio {report.get('best_vs_nemo')}; features on the device vs workers: RTFx x"
+          f"{best['rtfx'] if best else None} ({best['runtime'] if best else '-'}); vs NeMo in the same dtype: "
+          f"{ {d: v['ratio'] for d, v in report['vs_nemo'].items()} }; features on the device vs workers: RTFx x"
           f"{report['features_on'].get('device_rtfx_vs_workers')}")
     return 0
 

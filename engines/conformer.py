@@ -3,6 +3,12 @@
 features [B, n_mels, T] (10 ms frames) -> ConvSubsampling (T' = T / factor) -> x * sqrt(d_model)
 -> n_layers x ConformerLayer -> [B, d_model, T']. Module and parameter names are NeMo's, so the
 `encoder.*` entries of a `.nemo` state dict load directly (`ConformerEncoder.from_state`).
+
+Precision is data: `from_state(..., dtype=)` stores the weights and the positional table in the
+compute dtype (fp32, or bf16 / fp16 where `engines.precision` allows), and activations follow
+the weights; the one forward serves every dtype. Kept in fp32: LayerNorm parameters and
+arithmetic (`LayerNorm`), the BatchNorm folding and the sinusoid table before they are cast, and
+the encoder's interface: features in, encodings out are fp32, so callers never see the dtype.
 """
 from __future__ import annotations
 
@@ -13,10 +19,20 @@ from torch import Tensor, nn
 
 from engines.attention import MASK_VALUE, RelPositionalEncoding, RelPositionMultiHeadAttention
 from engines.encoder_config import EncoderConfig
-from engines.fast_linear import apply_linear, onednn_linear_available, pack
+from engines.fast_linear import PackedLinear, apply_linear, onednn_linear_available, pack
+from engines.precision import check_dtype
 from engines.subsampling import ConvSubsampling, pack_pointwise, subsampled_lengths
 
-__all__ = ["ConformerEncoder", "ConformerLayer", "EncoderConfig"]
+__all__ = ["ConformerEncoder", "ConformerLayer", "EncoderConfig", "LayerNorm"]
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm computing in its parameters' dtype and returning the input's: a reduced-
+    precision encoder keeps these parameters fp32, so the normalisation (a mean and variance over
+    d_model and a per-channel scale) is not rounded to bf16/fp16; in fp32 both casts are no-ops."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
 
 
 class ConformerFeedForward(nn.Module):
@@ -53,7 +69,7 @@ class ConformerConvolution(nn.Module):
         self.padding = padding
         self.pointwise_conv1 = nn.Conv1d(d_model, 2 * d_model, 1, bias=use_bias)
         self.depthwise_conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, bias=use_bias)
-        self.batch_norm = nn.BatchNorm1d(d_model) if norm_type == "batch_norm" else nn.LayerNorm(d_model)
+        self.batch_norm = nn.BatchNorm1d(d_model) if norm_type == "batch_norm" else LayerNorm(d_model)
         self.pointwise_conv2 = nn.Conv1d(d_model, d_model, 1, bias=use_bias)
 
     def forward(self, x: Tensor, pad_mask: Tensor | None) -> Tensor:
@@ -103,15 +119,15 @@ class ConformerLayer(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         d, d_ff = cfg.d_model, cfg.d_model * cfg.ff_expansion_factor
-        self.norm_feed_forward1 = nn.LayerNorm(d)
+        self.norm_feed_forward1 = LayerNorm(d)
         self.feed_forward1 = ConformerFeedForward(d, d_ff, cfg.use_bias)
-        self.norm_conv = nn.LayerNorm(d)
+        self.norm_conv = LayerNorm(d)
         self.conv = ConformerConvolution(d, cfg.conv_kernel_size, cfg.conv_norm_type, cfg.conv_padding, cfg.use_bias)
-        self.norm_self_att = nn.LayerNorm(d)
+        self.norm_self_att = LayerNorm(d)
         self.self_attn = RelPositionMultiHeadAttention(cfg.n_heads, d, cfg.use_bias)
-        self.norm_feed_forward2 = nn.LayerNorm(d)
+        self.norm_feed_forward2 = LayerNorm(d)
         self.feed_forward2 = ConformerFeedForward(d, d_ff, cfg.use_bias)
-        self.norm_out = nn.LayerNorm(d)
+        self.norm_out = LayerNorm(d)
 
     def forward(self, x: Tensor, pos_emb: Tensor, att_mask: Tensor | None, pad_mask: Tensor | None) -> Tensor:
         """x: [B, T, D]; pos_emb [1, 2T-1, D]; att_mask additive [B|1, 1, T, T] or None;
@@ -149,45 +165,67 @@ class ConformerEncoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.export_mode = on
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: that of the positional table, materialised in it (see from_state)."""
+        return self.pos_enc.pe.dtype
+
     @classmethod
     def from_state(cls, cfg: EncoderConfig, state: dict[str, Tensor], *, pack_linears: bool = True,
-                   consume: bool = False) -> "ConformerEncoder":
+                   consume: bool = False, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None) -> "ConformerEncoder":
         """Build on the meta device (no init cost), take the tensors of `state` (NeMo's `encoder.*`
-        keys without the prefix) as parameters, fill the positional table, eval mode, then
-        `fuse_for_inference(pack_linears)` (pass False for a model to export or train).
-        `consume=True` empties `state` once loaded, so each weight that fusing replaces (a packed
-        copy of every linear) is freed at once instead of both copies living until the end."""
+        keys without the prefix, fp32) as parameters, fill the positional table, eval mode, move
+        to `device` (default: where `state` is), then `fuse_for_inference(pack_linears, dtype)`
+        (pass pack_linears=False for a model to export or train). `dtype`: the compute dtype,
+        checked against `device` first (engines.precision.check_dtype: ValueError when
+        unsupported). `consume=True` empties `state` once loaded, so each weight that fusing
+        replaces (a packed or cast copy) is freed at once instead of both living to the end."""
+        ref = state["pre_encode.out.weight"]  # present in every supported layout (strict load)
+        device = ref.device if device is None else torch.device(device)
+        check_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(cfg)
         model.load_state_dict(state, strict=True, assign=True)
-        ref = state["pre_encode.out.weight"]  # present in every supported layout (strict load)
         if consume:
             state.clear()
         model.pos_enc.materialise(ref.device, ref.dtype)
         model.eval()
         model.requires_grad_(False)
-        model.fuse_for_inference(pack_linears=pack_linears)
+        model.to(device)
+        model.fuse_for_inference(pack_linears=pack_linears, dtype=dtype)
         return model
 
     @torch.no_grad()
-    def fuse_for_inference(self, pack_linears: bool = True) -> None:
+    def fuse_for_inference(self, pack_linears: bool = True, dtype: torch.dtype | None = None) -> None:
         """Fold eval BatchNorms into the depthwise convs and xscale into the subsampling's output
-        linear, store the subsampling convs channels-last and, with `pack_linears` on a CPU
-        whose torch has oneDNN, swap every linear for a packed one (engines.fast_linear).
-        Idempotent. Afterwards the state dict no longer matches NeMo's (no `batch_norm`
-        entries; packed linears hold no parameters): inference only."""
+        linear (in the weights' dtype: fp32 from a checkpoint), cast to `dtype` (None: keep) all
+        but the LayerNorms, store the subsampling convs channels-last and, with `pack_linears` on
+        a CPU whose torch has oneDNN for that dtype, swap every linear for a packed one
+        (engines.fast_linear). Idempotent. Afterwards the state dict no longer matches NeMo's
+        (no `batch_norm` entries; packed linears hold no parameters): inference only."""
         self.eval()
         for layer in self.layers:
             layer.conv.fuse_batch_norm()
-        # oneDNN runs the subsampling's 2-D convs ~1.5x faster in channels-last (NHWC) layout.
-        self.pre_encode.to(memory_format=torch.channels_last)
         out = self.pre_encode.out
         if self.xscale != 1.0 and isinstance(out, nn.Linear):
             out.weight = nn.Parameter(out.weight * self.xscale, requires_grad=False)
             out.bias = nn.Parameter(out.bias * self.xscale, requires_grad=False)
             self.xscale = 1.0
+        if dtype is not None and dtype != self.dtype:
+            self._cast(dtype)
+        # oneDNN runs the subsampling's 2-D convs ~1.5x faster in channels-last (NHWC) layout.
+        self.pre_encode.to(memory_format=torch.channels_last)
         if pack_linears:
             self._pack_linears()
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """Every floating tensor but the LayerNorms' parameters to `dtype`, in place (`_apply`
+        keeps parameter identity, so the (u, v) biases tied across layers stay one pair)."""
+        if any(isinstance(m, PackedLinear) for m in self.modules()):
+            raise ValueError("the linears are packed already: build the encoder with from_state(..., dtype=) instead")
+        keep = {id(p) for m in self.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+        self._apply(lambda t: t if id(t) in keep or not t.is_floating_point() else t.to(dtype))
 
     def _pack_linears(self) -> None:
         for layer in self.layers:
@@ -196,7 +234,7 @@ class ConformerEncoder(nn.Module):
             attn, conv = layer.self_attn, layer.conv
             for name in ("linear_q", "linear_k", "linear_v", "linear_out", "linear_pos"):
                 setattr(attn, name, pack(getattr(attn, name)))
-            attn.onednn = onednn_linear_available() and attn.pos_bias_u.device.type == "cpu"
+            attn.onednn = onednn_linear_available(self.dtype) and attn.pos_bias_u.device.type == "cpu"
             conv.pointwise_conv1 = pack(conv.pointwise_conv1)
             conv.pointwise_conv2 = pack(conv.pointwise_conv2)
         pack_pointwise(self.pre_encode)
@@ -206,9 +244,9 @@ class ConformerEncoder(nn.Module):
         return subsampled_lengths(lengths, self.cfg.subsampling_factor, self.cfg.causal_downsampling)
 
     def forward(self, features: Tensor, lengths: Tensor, static: bool = False) -> tuple[Tensor, Tensor]:
-        """features: [B, feat_in, T] normalised log-mel; lengths: [B] valid frames.
-        Returns ([B, d_model, T'] encodings, [B] int64 valid encoder frames). Frames past a
-        row's length hold unspecified values.
+        """features: [B, feat_in, T] normalised log-mel (any float dtype: cast to the compute
+        dtype here); lengths: [B] valid frames. Returns ([B, d_model, T'] float32 encodings,
+        [B] int64 valid encoder frames). Frames past a row's length hold unspecified values.
 
         static=True: no host syncs and no data-dependent branches (lengths are trusted, masks
         always built), for CUDA-graph capture and torch.compile; the results are the same."""
@@ -220,7 +258,7 @@ class ConformerEncoder(nn.Module):
         # Masks cost time: build them only when some row is shorter than the batch. Deciding
         # that reads `lengths` on the host, which a captured graph cannot: static builds them.
         padded = static or bool((lengths < features.size(2)).any())
-        x, lengths = self.pre_encode(features.transpose(1, 2), lengths, masked=padded)
+        x, lengths = self.pre_encode(features.transpose(1, 2).to(self.dtype), lengths, masked=padded)
         if self.xscale != 1.0:
             x = x * self.xscale
         t = x.size(1)
@@ -228,7 +266,8 @@ class ConformerEncoder(nn.Module):
         pad_mask, att_mask = self._masks(lengths, t, padded, x.dtype)
         for layer in self.layers:
             x = layer(x, pos_emb, att_mask, pad_mask)
-        return x.transpose(1, 2), lengths
+        # The decoder and joint run in fp32: the reduced-precision part ends here.
+        return x.transpose(1, 2).float(), lengths
 
     def _masks(self, lengths: Tensor, t: int, padded: bool, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
         """pad_mask [B, T, 1] (True = padded) and additive attention mask [B|1, 1, T, T]."""

@@ -19,7 +19,8 @@ launches; a replayed graph launches them all at once. Pattern (nano-vllm `captur
   above a profile's max_batch run as chunks of max_batch rows.
 
 The forward is captured with `static=True` (`ConformerEncoder.forward`): no `.item()`, no
-length checks on the host, masks always built.
+length checks on the host, masks always built. A reduced-precision encoder (bf16/fp16) is
+captured the same way: its input and output casts are part of the forward, so of the graph.
 """
 from __future__ import annotations
 
@@ -102,12 +103,14 @@ class CudaGraphEncoder:
         n_mels, d = self.encoder.cfg.feat_in, self.encoder.cfg.d_model
         feats = max(b * n_mels * w for b, w in keys)
         enc = max(b * d * output_frames(self.encoder, w) for b, w in keys)
-        dtype = self.encoder.pos_enc.pe.dtype
+        # float32 whatever the encoder's compute dtype: its forward casts the features in and the
+        # encodings out, so those casts are captured in the graph and the buffers keep the
+        # backend interface (fp32 in, fp32 out); they are small next to the activations.
         # Normal tensors, not inference tensors: writable in place with inference mode on or off.
         with torch.inference_mode(False):
-            return {"features": torch.empty(feats, dtype=dtype, device=self.device),
+            return {"features": torch.empty(feats, dtype=torch.float32, device=self.device),
                     "lengths": torch.empty(rows, dtype=torch.int64, device=self.device),
-                    "encoded": torch.empty(enc, dtype=dtype, device=self.device),
+                    "encoded": torch.empty(enc, dtype=torch.float32, device=self.device),
                     "encoded_lengths": torch.empty(rows, dtype=torch.int64, device=self.device)}
 
     def _graph(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:

@@ -44,6 +44,9 @@ def export_encoder(encoder: ConformerEncoder, path: str | os.PathLike, *, opset:
     if any(isinstance(m, PackedLinear) for m in encoder.modules()):
         raise ValueError("encoder has oneDNN-packed linears, which ONNX cannot hold: "
                          "build it with exportable_encoder() / from_state(..., pack_linears=False)")
+    if encoder.dtype != torch.float32:
+        # The graph is the fp32 model; TensorRT lowers its precision itself (engines.encoder_tensorrt_build).
+        raise ValueError(f"export an fp32 encoder, not {encoder.dtype}: TensorRT picks its own precision")
     cfg = encoder.cfg
     # Two rows of different lengths, so the traced graph carries the padding masks.
     features = torch.randn(2, cfg.feat_in, example_frames)

@@ -51,13 +51,15 @@ def choose_model(model: str | None) -> str:
 
 
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
-                features_on: str = "auto"):
+                features_on: str = "auto", dtype: str = "auto", backend_options=None):
     """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`. `decoder_mode` (auto,
     full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
     engines/encoder_backend.py) to Parakeet models, Whisper's encoder runs eager torch.
-    `features_on` (auto, workers, device: transcribe/audio_frontend.py) too: Whisper computes
-    its features in the workers."""
+    `features_on` (auto, workers, device: transcribe/audio_frontend.py), `dtype` (auto, float32,
+    bfloat16, float16: engines/precision.py) and `backend_options` (engines.encoder_backend.
+    BackendOptions: the profiles' batch limits, TensorRT's cache) too: Whisper computes its
+    features in the workers and picks its own dtype (fp16 on CUDA, fp32 on the CPU)."""
     name = choose_model(model)
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
@@ -66,6 +68,8 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     if whisper and features_on not in ("auto", "workers"):
         raise ValueError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
                          "features in the workers")
+    if whisper and dtype != "auto":
+        raise ValueError(f"dtype {dtype!r} is for Parakeet encoders; {name} (Whisper) runs fp16 on CUDA, fp32 on the CPU")
     if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine
 
@@ -78,4 +82,5 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     from engines.parakeet import ParakeetEngine
 
     return ParakeetEngine.from_nemo(resolve_checkpoint(name), device, name=name, encoder_backend=encoder_backend,
-                                    decoder_mode=decoder_mode, features_on=features_on)
+                                    decoder_mode=decoder_mode, features_on=features_on, dtype=dtype,
+                                    backend_options=backend_options)

@@ -24,6 +24,7 @@ from engines.ctc import CTCDecoder
 from engines.decode_graphs import DecodeMode
 from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width, make_backend,
                                      resolve_backend)
+from engines.precision import TRT_PRECISION, resolve_dtype
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerDecoder
 from transcribe.audio_frontend import AudioFrontend, resolve_features_on
@@ -126,24 +127,31 @@ class ParakeetEngine:
         """How the model runs, for the one-line startup note: encoder backend, decoder mode and
         where features are computed."""
         mode = self.decoder.mode if isinstance(self.decoder, TransducerDecoder) and self.kind != "ctc" else "ctc"
-        return f"encoder {self.encoder_backend.name}, decoder {mode}, features on {self.features_on}"
+        dtype = str(self.encoder.dtype).removeprefix("torch.")
+        return f"encoder {self.encoder_backend.name} {dtype}, decoder {mode}, features on {self.features_on}"
 
     @classmethod
     def from_nemo(cls, path: str | Path, device: str = "auto", name: str | None = None,
                   decoding: str = "auto", encoder_backend: str = "auto",
                   backend_options: BackendOptions | None = None, decoder_mode: str = "auto",
-                  features_on: str = "auto") -> "ParakeetEngine":
+                  features_on: str = "auto", dtype: str = "auto") -> "ParakeetEngine":
         """Load a `.nemo` checkpoint. `decoding`: auto (transducer if present), or ctc (hybrids).
         `encoder_backend`: auto (cuda-graphs on CUDA, torch on the CPU), torch, compile,
         cuda-graphs or tensorrt (engines/encoder_backend.py). `decoder_mode`: auto, full-graph,
         unrolled or eager (engines/decode_graphs.py; a graph mode that cannot run falls back,
         logged once). `features_on`: auto (= workers for now), workers or device
-        (transcribe/audio_frontend.py)."""
+        (transcribe/audio_frontend.py). `dtype`: the encoder's compute dtype, auto (= float32),
+        float32, bfloat16 (CPUs with bf16 in hardware, CUDA >= sm80) or float16 (CUDA)
+        (engines/precision.py); with the tensorrt backend an explicit dtype also sets the
+        engine's precision."""
         device = pick_device(device)
         DecodeMode(decoder_mode)  # a bad name fails before the load
         resolve_features_on(features_on)  # a bad name fails before the load
         backend = resolve_backend(encoder_backend, device)  # a bad name fails before the load
+        compute = resolve_dtype(dtype, device)  # an unknown or unsupported dtype too
         options = replace(backend_options or BackendOptions(), nemo_path=str(path))
+        if backend == "tensorrt" and dtype != "auto":
+            options = replace(options, precision=TRT_PRECISION[compute])
         with NemoArchive(path) as archive:
             cfg = archive.config
             state = archive.state_dict()
@@ -153,7 +161,8 @@ class ParakeetEngine:
             # oneDNN-packed weights are CPU-only opaque tensors that `.to()` cannot move.
             # The encoder takes its weights out of `state` and frees each one that packing replaces.
             encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), pop_sub_state_dict(state, "encoder"),
-                                                  pack_linears=device == "cpu" and backend != "compile", consume=True)
+                                                  pack_linears=device == "cpu" and backend != "compile", consume=True,
+                                                  dtype=compute, device=device)
             target = str(cfg.get("target", ""))
             if target.endswith(CTC_ONLY_TARGETS) or decoding == "ctc" and "aux_ctc" not in cfg:
                 decoder, kind = CTCDecoder.from_archive(archive, state), "ctc"

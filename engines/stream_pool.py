@@ -58,8 +58,8 @@ class StreamPool(SlotPool):
         super().__init__(max_streams)
         self.encoder = encoder
         self.dec = DecoderSlots(decoder, max_streams)
-        self.device, self.dtype = self.dec.device, self.dec.dtype
-        init = encoder.initial_caches(max_streams, self.device, self.dtype)
+        self.device = self.dec.device
+        init = encoder.initial_caches(max_streams, self.device)  # in the encoder's compute dtype
         self.att, self.conv, self.att_len = init.att, init.conv, init.att_len
         self.attention_kernel = self._pick_kernel(attention_kernel)
 
@@ -72,7 +72,8 @@ class StreamPool(SlotPool):
         if request == "auto" and not on_cuda:  # auto never picks the interpreter: the CPU path stays as is
             log.debug("streaming attention: torch (the fused kernel is for CUDA)")
             return "torch"
-        reason = kernel_unusable([layer.self_attn for layer in self.encoder.encoder.layers], self.device, self.dtype)
+        reason = kernel_unusable([layer.self_attn for layer in self.encoder.encoder.layers], self.device,
+                                 self.att.dtype)
         if reason is None:
             log.info("streaming attention: fused Triton kernel (%s)", "auto" if request == "auto" else "requested")
             return "triton"

@@ -12,7 +12,9 @@ of log-mel frames per stream and reads/updates two per-layer caches:
 Chunk geometry follows NeMo's `setup_streaming_params` (see `StreamingConfig.from_encoder`).
 Every tensor of a step is batched over streams at arbitrary positions: each row carries its own
 valid cache length, valid chunk length and number of leading subsampled frames to drop, and
-attends over its own valid frames only. The step reuses the encoder's modules and weights.
+attends over its own valid frames only. The step reuses the encoder's modules and weights, and
+so its compute dtype (`ConformerEncoder.dtype`): the caches hold layer activations in that
+dtype, features come in and encodings go out in fp32, as in the offline forward.
 """
 from __future__ import annotations
 
@@ -97,10 +99,10 @@ class CacheAwareEncoder:
         self.att_chunk = right + 1
         self.left_chunks = left // self.att_chunk
 
-    def initial_caches(self, batch: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-                       ) -> EncoderCaches:
-        """Zero caches (NeMo's `get_initial_cache_state`): nothing cached, att_len 0."""
-        c = self.cfg
+    def initial_caches(self, batch: int, device: torch.device | str = "cpu") -> EncoderCaches:
+        """Zero caches (NeMo's `get_initial_cache_state`) in the encoder's compute dtype: nothing
+        cached, att_len 0."""
+        c, dtype = self.cfg, self.encoder.dtype
         return EncoderCaches(
             att=torch.zeros(self.n_layers, batch, c.att_cache, self.d_model, device=device, dtype=dtype),
             conv=torch.zeros(self.n_layers, batch, c.conv_cache, self.d_model, device=device, dtype=dtype),
@@ -115,7 +117,8 @@ class CacheAwareEncoder:
         features [B, n_mels, F] log-mel (pre-encode cache frames first, then the chunk, zero
         padded on the right), lengths [B] valid feature frames, drop [B] leading subsampled
         frames to discard (0 for a first chunk, `cfg.drop_extra` after). Returns
-        (encodings [B, T, D], valid frames [B] int64, updated caches). Caches are not modified.
+        (encodings [B, T, D] float32, valid frames [B] int64, updated caches). Caches are not
+        modified.
         """
         x, length, pos, att_mask, pad_mask = self._prepare(features, lengths, drop, caches.att_len)
         att_next, conv_next = [], []
@@ -127,7 +130,7 @@ class CacheAwareEncoder:
             att_next.append(_shift_cache(caches.att[i], h, length))
             conv_next.append(c)
         new_len = torch.clamp(caches.att_len + length, max=self.cfg.att_cache)
-        return x, length, EncoderCaches(torch.stack(att_next), torch.stack(conv_next), new_len)
+        return x.float(), length, EncoderCaches(torch.stack(att_next), torch.stack(conv_next), new_len)
 
     @torch.inference_mode()
     def step_in_pool(self, features: Tensor, lengths: Tensor, drop: Tensor, pool_att: Tensor, pool_conv: Tensor,
@@ -158,13 +161,13 @@ class CacheAwareEncoder:
         shift_cache_by_index_(pool_att.view(n_layers * n_slots, c_att, d), rows, torch.cat(hs),
                               length.repeat(n_layers), use_triton=True)
         pool_conv.index_copy_(1, idx, torch.stack(conv_next))
-        return x, length, torch.clamp(att_len + length, max=self.cfg.att_cache)
+        return x.float(), length, torch.clamp(att_len + length, max=self.cfg.att_cache)
 
     def _prepare(self, features: Tensor, lengths: Tensor, drop: Tensor, att_len: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Subsample and right-align the chunk: (x [B, t, D], valid frames [B], pos, att mask, pad mask)."""
         enc = self.encoder
-        x, sub_len = enc.pre_encode(features.transpose(1, 2), lengths, masked=True)
+        x, sub_len = enc.pre_encode(features.transpose(1, 2).to(enc.dtype), lengths, masked=True)
         if enc.xscale != 1.0:
             x = x * enc.xscale
         drop = drop.to(torch.int64)

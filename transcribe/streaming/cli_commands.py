@@ -16,7 +16,7 @@ from transcribe.streaming.session import SessionState
 
 
 def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: float | None = None,
-                         right_ms: float | None = None, device: str = "cpu") -> StreamingModel:
+                         right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> StreamingModel:
     """A registry name or a `.nemo` path -> StreamingModel: cache-aware checkpoints stream with
     their trained chunking, offline-trained TDT / RNN-T ones in chunks with left and right
     context (None = NeMo's 2 s chunk, 10 s left, 2 s right). ValueError for anything else."""
@@ -24,7 +24,7 @@ def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: flo
     from engines.parakeet import ParakeetEngine
 
     # Streaming steps are small batches of short chunks: eager torch (no bucketed graphs).
-    engine = load_engine(model, device=device, encoder_backend="torch", decoder_mode="eager")
+    engine = load_engine(model, device=device, encoder_backend="torch", decoder_mode="eager", dtype=dtype)
     if not isinstance(engine, ParakeetEngine):
         raise ValueError(f"model {model!r} is not a FastConformer transducer checkpoint")
     sm = StreamingModel(engine, chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
@@ -94,12 +94,12 @@ def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) ->
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
           idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
-          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu") -> None:
+          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> None:
     """Run the streaming server until interrupted (see transcribe/streaming/protocol.py): TCP on
     `port`, and the same protocol over WebSocket on `ws_port` when given (None = no WebSocket).
     chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None = defaults)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device)
+    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
                        max_waiting=max_waiting, idle_timeout_s=idle_timeout_s)
     try:

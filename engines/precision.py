@@ -1,0 +1,57 @@
+"""Which compute dtypes the encoder supports on which device, checked before a model is built.
+
+CPU: float32, and bfloat16 on a CPU with bf16 in hardware, whose oneDNN-packed bf16 linears
+run ~1.9x faster than fp32 (engines.fast_linear); no float16 (oneDNN has no fast fp16 GEMM on
+the CPUs we target). CUDA: float32, float16, and bfloat16 from compute capability 8.0
+(Ampere) on, the first with bf16 tensor cores.
+"""
+from __future__ import annotations
+
+import torch
+
+from engines.fast_linear import onednn_linear_available
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
+    """ValueError naming the dtype and device when the encoder cannot compute in `dtype` there."""
+    device = torch.device(device)
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in DTYPES.values():
+        raise ValueError(f"encoder dtype {name} is not supported (supported: {', '.join(DTYPES)})")
+    if dtype == torch.float32:
+        return
+    if device.type == "cpu":
+        if dtype == torch.bfloat16 and onednn_linear_available(torch.bfloat16):
+            return
+        why = ("this CPU has no bf16 in hardware (AVX512_BF16 / AMX / Arm BF16) for oneDNN" if dtype == torch.bfloat16
+               else "the CPU encoder computes in float32 or bfloat16 only")
+        raise ValueError(f"encoder dtype {name} is not supported on device {device}: {why}; use float32")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if dtype == torch.bfloat16 and major < 8:
+            raise ValueError(f"encoder dtype {name} is not supported on device {device} (compute capability "
+                             f"{major}.{minor}; bf16 needs 8.0 or newer): use float16 or float32")
+        return
+    raise ValueError(f"encoder dtype {name} is not supported on device {device} (only float32 is)")
+
+
+# The short names `transcribe export-engine --precision` uses, accepted by --dtype as well.
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_CHOICES = ("auto", *DTYPES, *ALIASES)
+TRT_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`--dtype` -> the encoder's compute dtype on `device` (ValueError when unknown or
+    unsupported there). `auto` is float32 everywhere: it reproduces NeMo's outputs exactly, and
+    reduced precision stays opt-in until it is measured on real weights (WER) and on a GPU --
+    bf16 gave different greedy tokens on 17 of 32 random-weight fixture files (near ties)."""
+    key = ALIASES.get(name, name)
+    if key == "auto":
+        return torch.float32
+    if key not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported (supported: {', '.join(DTYPE_CHOICES)})")
+    check_dtype(DTYPES[key], device)
+    return DTYPES[key]
