@@ -43,12 +43,15 @@ case "${1:-tests}" in
     python3 -m pytest -q -rs tests/test_decode_graphs.py tests/test_encoder_backends_gpu.py \
       tests/test_stream_attention_triton.py tests/test_encoder_backends.py tests/test_decoding.py \
       tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
+      tests/test_encoder_precision.py tests/test_whisper_graph.py \
       2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   bench)
     make_model
+    python3 bench/encoder_precision.py --model "$MODEL" --device cuda --json "$OUT/encoder_precision.json" \
+      2>&1 | tee "$OUT/gpu_bench.log"
     python3 bench/gpu_bench.py --model "$MODEL" --audio ../shared/data/speech/librispeech_test_other \
-      --min-hours 1 --nemo-python python3 --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log"
+      --min-hours 1 --nemo-python python3 --json "$OUT/gpu_bench.json" 2>&1 | tee -a "$OUT/gpu_bench.log"
     ;;
   stream)
     make_model
