@@ -1,9 +1,12 @@
 """Whisper head to head: faster-whisper (peer) vs our engine, same files, one invocation.
 
-    python bench/compare_whisper.py [--manifest M] [--limit N] [--json SUMMARY.json]
+    python bench/compare_whisper.py [--manifest M] [--limit N] [--dtype D] [--peer-compute-type T]
+                                    [--json SUMMARY.json]
 
 Each side runs as a whole command in its own process, one after the other: the peer in
-/work/venvs/fw (bench/whisper_peer.py), ours as `transcribe bench --model whisper-base`. We print, per
+/work/venvs/fw (bench/whisper_peer.py, CTranslate2 `--peer-compute-type`: float32 by default;
+int8 is faster-whisper's usual CPU setting), ours as `transcribe bench --model whisper-base
+--dtype D` (auto by default: float32 on the CPU; bfloat16 on CPUs with bf16). We print, per
 side, RTFx = audio seconds / transcribe seconds (audio decode included, model load excluded),
 end-to-end RTFx including load and interpreter start, the ratio ours / peer, and WER against the
 manifest text (lower case, punctuation removed, numbers left as they are: `transcribe.bench`).
@@ -78,29 +81,33 @@ def main() -> None:
     ap.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--skip-peer", action="store_true", help="run only our engine")
+    ap.add_argument("--dtype", default="auto", help="our --dtype (auto, float32, bfloat16, ...)")
+    ap.add_argument("--peer-compute-type", default="float32",
+                    help="faster-whisper compute_type (float32, int8, int8_float32, bfloat16, ...)")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
     refs = [r["text"] for r in read_manifest(args.manifest, args.limit)]
     lim = ["--limit", str(args.limit)] if args.limit else []
-    summary = {}
+    summary = {"dtype": args.dtype, "peer_compute_type": None if args.skip_peer else args.peer_compute_type}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_peer:
             peer_out = Path(tmp) / "peer.json"
             wall = _timed([str(PEER_PYTHON), "bench/whisper_peer.py", str(args.manifest), str(PEER_MODEL),
-                           str(peer_out), *lim])
+                           str(peer_out), "--compute-type", args.peer_compute_type, *lim])
             summary["peer"] = _report("peer", json.loads(peer_out.read_text()), wall, refs)
         # Ours: the real CLI, end to end (workers, VAD cutting, batching, writers).
         manifest = limited_manifest(args.manifest, args.limit, Path(tmp))
         report, out_dir = Path(tmp) / "ours.json", Path(tmp) / "ours_out"
         transcribe = Path(sys.executable).with_name("transcribe")
         wall = _timed([str(transcribe), "bench", str(manifest), "--model", "whisper-base", "--device", "cpu",
-                       "--json", str(report), "--out", str(out_dir)])
+                       "--dtype", args.dtype, "--json", str(report), "--out", str(out_dir)])
         summary["ours"] = _report("ours", ours_result(report, out_dir, manifest), wall, refs)
     if "peer" in summary:
         ratio = summary["ours"]["rtfx"] / summary["peer"]["rtfx"]
         e2e = summary["ours"]["rtfx_e2e"] / summary["peer"]["rtfx_e2e"]
         summary["ratio"], summary["ratio_e2e"] = ratio, e2e
-        print(f"ratio ours/peer: RTFx x{ratio:.2f}, end-to-end x{e2e:.2f}  (cpu count {os.cpu_count()})")
+        print(f"ratio ours ({args.dtype}) / peer ({args.peer_compute_type}): RTFx x{ratio:.2f}, end-to-end "
+              f"x{e2e:.2f}  (cpu count {os.cpu_count()})")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
 

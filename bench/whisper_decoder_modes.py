@@ -44,7 +44,7 @@ def encoded_batches(engine: WhisperEngine, manifest: Path, files: int, batch: in
     rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()][:files]
     wavs = [load_audio(manifest.parent / r["audio_filepath"], 16000)[:N_SAMPLES] for r in rows]
     model, cfg = engine.decoder.model, FeatureConfig(engine.decoder.model.dims.n_mels)
-    weight = model.decoder.embed.weight
+    device = model.decoder.embed.weight.device
     out = []
     for i in range(0, len(wavs), batch):
         chunk = wavs[i:i + batch]
@@ -52,7 +52,7 @@ def encoded_batches(engine: WhisperEngine, manifest: Path, files: int, batch: in
         for j, w in enumerate(chunk):
             audio[j, :len(w)] = torch.from_numpy(w)
         with torch.inference_mode():
-            out.append(model.encoder(log_mel_spectrogram(audio, cfg).to(weight.device, weight.dtype)))
+            out.append(model.encoder(log_mel_spectrogram(audio, cfg).to(device)))
     return out, sum(len(w) for w in wavs) / 16000
 
 
@@ -80,7 +80,7 @@ def time_mode(engine: WhisperEngine, batches: list[torch.Tensor], mode: str, rep
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", choices=("float16", "float32"), help="default: float16 on CUDA, float32 on the CPU")
+    ap.add_argument("--dtype", default="auto", help="auto (float16 on CUDA, float32 on the CPU), float32, bfloat16, float16")
     ap.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     ap.add_argument("--files", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16)
@@ -88,8 +88,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated; eager is always run first")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    dtype = getattr(torch, a.dtype or ("float16" if a.device.startswith("cuda") else "float32"))
-    engine = WhisperEngine.from_bundled(device=a.device, dtype=dtype, decoder_mode="eager")
+    engine = WhisperEngine.from_bundled(device=a.device, dtype=a.dtype, decoder_mode="eager")
     batches, audio_s = encoded_batches(engine, a.manifest, a.files, a.batch)
     modes = ["eager"] + [m for m in a.modes.split(",") if m and m != "eager"]
     rows = [time_mode(engine, batches, m, a.reps, a.device) for m in modes]
@@ -102,10 +101,10 @@ def main() -> None:
               f"{r['speedup_vs_eager']:6.2f}x vs eager  warm-up {r['warmup_seconds']:.2f} s  "
               f"tokens {'identical' if r['identical_to_eager'] else 'DIFFER'}")
     n_tokens = sum(len(t) for b in eager["tokens"] for t in b)
-    print(f"{a.files} windows, {audio_s:.1f} s of audio, {n_tokens} tokens; {a.device} {dtype}")
+    print(f"{a.files} windows, {audio_s:.1f} s of audio, {n_tokens} tokens; {a.device} ({engine.runtime})")
     if a.json:
         report = {"device": torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu",
-                  "dtype": str(dtype), "files": a.files, "batch": a.batch, "reps": a.reps, "audio_seconds": audio_s,
+                  "runtime": engine.runtime, "files": a.files, "batch": a.batch, "reps": a.reps, "audio_seconds": audio_s,
                   "tokens": n_tokens, "modes": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(report, indent=2) + "\n")

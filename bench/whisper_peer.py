@@ -1,10 +1,11 @@
 """Peer baseline: faster-whisper on a manifest (run with the faster-whisper venv's python).
 
-    /work/venvs/fw/bin/python bench/whisper_peer.py MANIFEST MODEL_DIR OUT.json [--limit N]
+    /work/venvs/fw/bin/python bench/whisper_peer.py MANIFEST MODEL_DIR OUT.json [--limit N] [--compute-type T]
 
-Settings: compute_type float32, cpu_threads 2, beam_size 1, language "en", no VAD, other
-options at faster-whisper's defaults. Writes JSON {audio_seconds, load_seconds,
-transcribe_seconds, texts}; audio decoding is part of transcribe_seconds, as it is for us.
+Settings: compute_type float32 (--compute-type: int8 is faster-whisper's usual CPU choice),
+cpu_threads 2, beam_size 1, language "en", no VAD, other options at faster-whisper's defaults.
+Writes JSON {audio_seconds, load_seconds, transcribe_seconds, texts}; audio decoding is part of
+transcribe_seconds, as it is for us.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--limit", type=int, default=None, help="first N files only")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compute-type", default="float32", help="CTranslate2 compute type (float32, int8, ...)")
     args = ap.parse_args()
 
     rows = [json.loads(line) for line in args.manifest.read_text().splitlines() if line.strip()]
@@ -31,7 +33,8 @@ def main() -> None:
     from faster_whisper import WhisperModel
     from faster_whisper.audio import decode_audio
 
-    model = WhisperModel(str(args.model_dir), device="cpu", compute_type="float32", cpu_threads=args.threads)
+    model = WhisperModel(str(args.model_dir), device="cpu", compute_type=args.compute_type,
+                         cpu_threads=args.threads)
     t1 = time.perf_counter()
     texts, audio_seconds = [], 0.0
     for p in paths:

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 
 # Rows per GEMM the packed layout is tuned for; measured insensitive between 256 and 1500.
 M_HINT = 512
-ACTIVATIONS = ("none", "relu", "swish")  # oneDNN post-ops fused into the GEMM (swish = SiLU)
+# oneDNN post-ops fused into the GEMM (swish = SiLU), with the algorithm argument each takes:
+# "none" selects GELU's exact erf form (nn.GELU's default, which Whisper uses).
+ACTIVATIONS = {"none": "", "relu": "", "swish": "", "gelu": "none"}
 
 
 # Weight dtypes oneDNN packs, with the tolerance of the self-test (bf16 rounds the output).
@@ -70,7 +72,8 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.activation, [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, self.activation, [],
+                                                  ACTIVATIONS[self.activation])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"

@@ -56,10 +56,12 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
     engines/encoder_backend.py) to Parakeet models, Whisper's encoder runs eager torch.
-    `features_on` (auto, workers, device: transcribe/audio_frontend.py), `dtype` (auto, float32,
-    bfloat16, float16: engines/precision.py) and `backend_options` (engines.encoder_backend.
-    BackendOptions: the profiles' batch limits, TensorRT's cache) too: Whisper computes its
-    features in the workers and picks its own dtype (fp16 on CUDA, fp32 on the CPU)."""
+    `dtype` (auto, float32, bfloat16, float16; aliases fp32, bf16, fp16: engines/precision.py)
+    sets the encoder's compute dtype in both families (auto: float32, except Whisper on CUDA:
+    float16; Whisper's CPU decoder stays float32, engines.whisper_engine.compute_dtypes).
+    `features_on` (auto, workers, device: transcribe/audio_frontend.py) and `backend_options`
+    (engines.encoder_backend.BackendOptions: the profiles' batch limits, TensorRT's cache) apply
+    to Parakeet only: Whisper computes its features in the workers."""
     name = choose_model(model)
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
@@ -68,17 +70,15 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     if whisper and features_on not in ("auto", "workers"):
         raise ValueError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
                          "features in the workers")
-    if whisper and dtype != "auto":
-        raise ValueError(f"dtype {dtype!r} is for Parakeet encoders; {name} (Whisper) runs fp16 on CUDA, fp32 on the CPU")
     if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine
 
-        return WhisperEngine.load(name, device, decoder_mode)
+        return WhisperEngine.load(name, device, decoder_mode, dtype)
     if is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
         from engines.whisper_engine import WhisperEngine
 
         return WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name,
-                                       decoder_mode=decoder_mode)
+                                       decoder_mode=decoder_mode, dtype=dtype)
     from engines.parakeet import ParakeetEngine
 
     return ParakeetEngine.from_nemo(resolve_checkpoint(name), device, name=name, encoder_backend=encoder_backend,

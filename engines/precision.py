@@ -43,14 +43,15 @@ DTYPE_CHOICES = ("auto", *DTYPES, *ALIASES)
 TRT_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device | str, auto: torch.dtype = torch.float32) -> torch.dtype:
     """`--dtype` -> the encoder's compute dtype on `device` (ValueError when unknown or
-    unsupported there). `auto` is float32 everywhere: it reproduces NeMo's outputs exactly, and
-    reduced precision stays opt-in until it is measured on real weights (WER) and on a GPU --
-    bf16 gave different greedy tokens on 17 of 32 random-weight fixture files (near ties)."""
+    unsupported there); `auto` -> the caller's `auto`. Parakeet's is float32 everywhere: it
+    reproduces NeMo's outputs exactly, and reduced precision stays opt-in until it is measured on
+    real weights (WER) and on a GPU -- bf16 gave different greedy tokens on 17 of 32 random-weight
+    fixture files (near ties). Whisper's is float16 on CUDA (engines/whisper_engine.py)."""
     key = ALIASES.get(name, name)
     if key == "auto":
-        return torch.float32
+        return auto
     if key not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported (supported: {', '.join(DTYPE_CHOICES)})")
     check_dtype(DTYPES[key], device)

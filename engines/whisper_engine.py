@@ -10,7 +10,9 @@ of each <= 30 s piece in the preprocessing workers, `transcribe_features` decode
 Windows are sorted longest first and decoded `batch_size` at a time (one encoder pass per
 batch, see `whisper_decoding.GreedyDecoder`), then returned in the caller's order. The token
 loop runs in a decoder mode (`decoder_mode`: auto, full-graph, unrolled, eager; see
-`whisper_graph.py`): auto is eager on the CPU and a CUDA-graph mode on CUDA.
+`whisper_graph.py`): auto is eager on the CPU and a CUDA-graph mode on CUDA. The compute dtype
+(`dtype`: auto, float32, bfloat16, float16, as Parakeet's `--dtype`) sets the encoder's; see
+`compute_dtypes` for the decoder's.
 """
 from __future__ import annotations
 
@@ -29,6 +31,23 @@ from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RAT
                                          log_mel_spectrogram)
 
 WINDOW_SECONDS = 30.0
+
+
+def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
+    """`--dtype` name -> (encoder, decoder) compute dtypes on `device` (ValueError when unknown or
+    unsupported there: engines.precision). auto: float16 on CUDA, float32 on the CPU.
+
+    The CPU decoder stays float32 whatever the encoder's dtype: its steps are [n <= 16, 512] rows
+    and one-query attention over the cached audio, where torch's CPU bf16 attention ran 3.4x
+    slower than fp32 (16 rows, 1 thread). A bf16 decoder took 1.16-1.42x the fp32 decoder's time on
+    16 windows of test-other and changed 2.2 % of fp32's words (the bf16 encoder alone: 0.6 %);
+    fp32 also keeps the logits the timestamp rules compare unrounded. CUDA runs both halves in
+    the one dtype."""
+    from engines.precision import resolve_dtype
+
+    cuda = torch.device(device).type == "cuda"
+    encoder = resolve_dtype(dtype, device, auto=torch.float16 if cuda else torch.float32)
+    return encoder, encoder if cuda else torch.float32
 
 
 class WhisperFrontend:
@@ -87,31 +106,29 @@ class WhisperEngine:
 
     @property
     def runtime(self) -> str:
-        """How the model runs, for the one-line startup note: the decoder mode."""
-        return f"decoder {self.decoder.mode}"
+        """How the model runs, for the one-line startup note: dtypes and the decoder mode."""
+        model = self.decoder.model
+        name = {half: str(half.dtype).removeprefix("torch.") for half in (model.encoder, model.decoder)}
+        return f"encoder {name[model.encoder]}, decoder {name[model.decoder]} {self.decoder.mode}"
 
     @classmethod
-    def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto") -> "WhisperEngine":
-        """A registry name: `whisper-base` is the bundled model (fp16 on CUDA, fp32 on CPU)."""
+    def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto", dtype: str = "auto") -> "WhisperEngine":
+        """A registry name: `whisper-base` is the bundled model (dtype: see `from_checkpoint`)."""
         from engines.parakeet import pick_device
 
         if name != "whisper-base":
             raise ValueError(f"unknown Whisper model {name!r} (bundled: whisper-base)")
-        device = pick_device(device)
-        dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        engine = cls.from_bundled(device=device, dtype=dtype, decoder_mode=decoder_mode)
+        engine = cls.from_bundled(device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode)
         engine.name = name
         return engine
 
     @classmethod
     def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None,
-                  decoder_mode: str = "auto") -> "WhisperEngine":
+                  decoder_mode: str = "auto", dtype: str = "auto") -> "WhisperEngine":
         """A local checkpoint (CT2 folder or model.bin, OpenAI .pt, HF safetensors file or folder)."""
         from engines.parakeet import pick_device
 
-        device = pick_device(device)
-        dtype = torch.float16 if device.startswith("cuda") else torch.float32
-        engine = cls.from_checkpoint(path, device=device, dtype=dtype, decoder_mode=decoder_mode)
+        engine = cls.from_checkpoint(path, device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode)
         engine.name = name or str(path)
         return engine
 
@@ -146,7 +163,7 @@ class WhisperEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path | None, tokenizer: str | Path | None = None,
                         options: DecodeOptions = DecodeOptions(), batch_size: int = 16,
-                        device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        device: str = "cpu", dtype: str = "auto",
                         threads: int | None = None, decoder_mode: str = "auto") -> "WhisperEngine":
         """Load weights (CT2 folder / model.bin, OpenAI .pt, HF safetensors; None = bundled base).
 
@@ -154,7 +171,9 @@ class WhisperEngine:
         else the bundled multilingual one when the vocab size matches it. Suppressed tokens come
         from a CT2 config.json when present, else from the tokenizer. CPU threads default to
         the usable cores. `decoder_mode`: auto, full-graph, unrolled or eager (a graph mode that
-        cannot run falls back, logged once).
+        cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, float32 on the
+        CPU), float32, bfloat16 (CPUs with bf16 in hardware, CUDA sm80+), float16 (CUDA), or
+        the aliases fp32 / bf16 / fp16; see `compute_dtypes`.
         """
         import json
         import os
@@ -163,7 +182,8 @@ class WhisperEngine:
         from engines.whisper_tokenizer import load_tokenizer
         from engines.whisper_weights import bundled_base_dir, load_any, load_ct2
 
-        DecodeMode(decoder_mode)  # a bad name fails before the load
+        DecodeMode(decoder_mode)  # a bad name or dtype fails before the load
+        encoder_dtype, decoder_dtype = compute_dtypes(dtype, device)
         torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
         if path is None:
             parts, folder = bundled_base_dir()
@@ -180,7 +200,7 @@ class WhisperEngine:
         tok = load_tokenizer(found[0], dims.n_vocab)
         cfg = folder / "config.json"
         suppress = json.loads(cfg.read_text()).get("suppress_ids") if cfg.is_file() else None
-        model = build_whisper(dims, state, device, dtype)
+        model = build_whisper(dims, state, device, encoder_dtype, decoder_dtype)
         decoder = GreedyDecoder(model, tok, options, suppress)
         decoder.set_mode(decoder_mode)
         return cls(decoder, batch_size)

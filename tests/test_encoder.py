@@ -243,7 +243,8 @@ def test_packed_linear_matches_linear():
         pytest.skip("this torch build has no oneDNN packed linear")
     lin = torch.nn.Linear(48, 40)
     x = torch.randn(2, 7, 48)
-    for act, fn in [("none", lambda y: y), ("relu", torch.relu), ("swish", torch.nn.functional.silu)]:
+    for act, fn in [("none", lambda y: y), ("relu", torch.relu), ("swish", torch.nn.functional.silu),
+                    ("gelu", torch.nn.functional.gelu)]:
         got = PackedLinear(lin.weight, lin.bias, act)(x)
         torch.testing.assert_close(got, fn(lin(x)), atol=1e-5, rtol=1e-5)
 

@@ -221,25 +221,34 @@ def test_engine_runs_its_encoder_in_the_requested_dtype():
     assert len(engines["bf16"].transcribe(audio)) == 3
 
 
-def test_whisper_rejects_an_encoder_dtype():
+@needs_cpu_bf16
+def test_loader_passes_the_dtype_to_whisper():
     from engines.loader import load_engine
+    from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
 
-    with pytest.raises(ValueError, match="'bf16' is for Parakeet encoders"):
-        load_engine("whisper-base", "cpu", dtype="bf16")
+    try:
+        bundled_base_dir()
+    except WhisperWeightsError as e:
+        pytest.skip(str(e))
+    assert load_engine("whisper-base", "cpu", dtype="bf16").runtime == "encoder bfloat16, decoder float32 eager"
+    with pytest.raises(ValueError, match="encoder dtype float16 is not supported on device cpu"):
+        load_engine("whisper-base", "cpu", dtype="float16")
 
 
 @needs_shared
-@pytest.mark.parametrize("dtype, code, message", [
-    ("bogus", 2, "--dtype 'bogus': expected one of auto, float32"),
-    ("float16", 1, "cannot load model: encoder dtype float16 is not supported on device cpu"),
+@pytest.mark.parametrize("model, dtype, code, message", [
+    ("tdt_tiny", "bogus", 2, "--dtype 'bogus': expected one of auto, float32"),
+    ("tdt_tiny", "float16", 1, "cannot load model: encoder dtype float16 is not supported on device cpu"),
+    ("whisper-base", "float16", 1, "cannot load model: encoder dtype float16 is not supported on device cpu"),
 ])
-def test_cli_dtype_errors(dtype, code, message, tmp_path):
+def test_cli_dtype_errors(model, dtype, code, message, tmp_path):
     import os
     import subprocess
     import sys
 
     ref = Reference("tdt_tiny")
+    model = str(ref.nemo) if model == "tdt_tiny" else model
     p = subprocess.run([sys.executable, "-m", "transcribe.cli", str(ref.audio_path(0)), "--model",
-                        str(ref.nemo), "--dtype", dtype, "--out", str(tmp_path), "--device", "cpu"],
+                        model, "--dtype", dtype, "--out", str(tmp_path), "--device", "cpu"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert p.returncode == code and message in p.stderr, p.stderr[-2000:]

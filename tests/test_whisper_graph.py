@@ -247,6 +247,35 @@ def test_full_graph_without_loop_check_runs_one_chunk(base, buckets_run):
     assert buckets_run == [3]  # the while loop stopped when the last row finished
 
 
+def test_static_path_follows_eager_in_bf16(base):
+    """The static buffers follow the decoder's dtype: a bf16 decoder (what CUDA runs with
+    --dtype bfloat16; the CPU engine keeps its decoder fp32) decodes like eager through them.
+    Not bit-equal: attending over all 448 positions through the mask sums in another order,
+    and bf16 keeps 8 bits. Measured on these windows: the same texts, one segment's closing and
+    opening timestamps 2 frames (0.04 s) apart, average log-probabilities within 0.021."""
+    from engines.fast_linear import onednn_linear_available
+    from engines.whisper import build_whisper
+    from engines.whisper_weights import load_ct2
+
+    if not onednn_linear_available(torch.bfloat16):
+        pytest.skip("no bf16 in this CPU's hardware (AVX512_BF16 / AMX / Arm BF16)")
+    dims, state = load_ct2(bundled_base_dir()[0])
+    model = build_whisper(dims, state, "cpu", torch.bfloat16, torch.bfloat16)
+    with torch.inference_mode():
+        audio = model.encoder(_mel(tuple(FILES)))
+    decoders = [GreedyDecoder(model, base.decoder.tok, DecodeOptions(), base.decoder.suppress) for _ in range(2)]
+    want = decode(decoders[0], audio, DecodeMode.EAGER)
+    got = decode(decoders[1], audio, DecodeMode.UNROLLED)
+    assert decoders[1].graphs.static.self_k.dtype == decoders[1].graphs.static.cross_k.dtype == torch.bfloat16
+    ts0 = base.decoder.tok.timestamp_begin
+    for g, w in zip(got, want, strict=True):
+        assert g.text == w.text and len(g.tokens) == len(w.tokens) and g.no_speech_prob == w.no_speech_prob
+        for a, b in zip(g.tokens, w.tokens):
+            assert a == b or (min(a, b) >= ts0 and abs(a - b) <= 2)  # timestamps within 0.04 s
+        assert g.avg_logprob == pytest.approx(w.avg_logprob, abs=0.03)
+    assert want[0].text.lower().startswith("there's iron they say") and want[-1].no_speech_prob > 0.6
+
+
 def test_static_buffers_regrow_and_serve_smaller_batches(base):
     dec = decoder_like(base, DecodeOptions())
     dec.graphs = graphs = WhisperGraphs(dec, DecodeMode.UNROLLED, capture=False)
@@ -272,7 +301,7 @@ def test_cpu_modes_select_eager_and_log_explicit_requests(base, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
     assert messages == ["decoder mode eager (requested unrolled): device is cpu",
                         "decoder mode eager (requested full-graph): device is cpu"]
-    assert base.runtime == "decoder eager"
+    assert base.runtime == "encoder float32, decoder float32 eager"
     with pytest.raises(ValueError):
         dec.set_mode("fast")
 
@@ -286,7 +315,7 @@ def test_loader_passes_decoder_mode_to_whisper(caplog):
 
     with caplog.at_level(logging.WARNING, logger="transcribe"):
         engine = load_engine("whisper-base", "cpu", decoder_mode="unrolled")
-    assert engine.runtime == "decoder eager"
+    assert engine.runtime == "encoder float32, decoder float32 eager"
     assert "decoder mode eager (requested unrolled): device is cpu" in [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match="encoder backend"):
         load_engine("whisper-base", "cpu", encoder_backend="tensorrt")
@@ -322,7 +351,8 @@ def test_capture_failure_falls_back_once(base, monkeypatch, caplog):
 def _cuda_engine(dtype: torch.dtype):
     from engines.whisper_engine import WhisperEngine
 
-    return WhisperEngine.from_bundled(device="cuda", dtype=dtype, batch_size=8, decoder_mode="eager")
+    return WhisperEngine.from_bundled(device="cuda", dtype=str(dtype).removeprefix("torch."), batch_size=8,
+                                      decoder_mode="eager")
 
 
 @pytest.mark.gpu

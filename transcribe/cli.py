@@ -25,7 +25,9 @@ sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_a
 WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
 BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
 DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (best the GPU supports), full-graph, unrolled, eager (CPU: eager)."
-DTYPE_HELP = "Parakeet encoder compute dtype: auto (= float32, NeMo's exact outputs), float32, bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoder on such CPUs), float16 (CUDA)."
+DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper on CUDA: float16), float32, "
+              "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
+              "decoder staying float32), float16 (CUDA).")
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
@@ -79,7 +81,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do
             spares.close()
-    runtime = getattr(engine, "runtime", "")  # Parakeet: encoder backend, decoder mode, features
+    runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
     typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
     return files, engine, time.perf_counter() - t0, spares
 
