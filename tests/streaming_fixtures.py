@@ -69,3 +69,27 @@ def serve_and_check(model: StreamingModel, cfg: ServerConfig, scenario):
         finally:
             await server.stop()
     return asyncio.run(main())
+
+
+def drive_staggered(sched: Scheduler, samples: list, paces: list[int], inspect, max_ticks: int = 2000):
+    """Stream i opens at tick i and sends `paces[i]` samples a tick until its audio ends; every
+    tick steps whoever has work (`inspect(batch)` sees each batch the pool steps). Returns the
+    sessions and each stream's result texts, once every stream is done."""
+    sessions, cursor, texts = {}, {}, {i: [] for i in range(len(samples))}
+    for tick in range(max_ticks):
+        if tick < len(samples):
+            sessions[tick], cursor[tick] = sched.open(f"s{tick}"), 0
+        for i, s in sessions.items():
+            a = samples[i]
+            if cursor[i] < a.shape[0]:
+                s.push_audio(a[cursor[i]: cursor[i] + paces[i]])
+                cursor[i] += paces[i]
+                if cursor[i] >= a.shape[0]:
+                    s.end()
+        stepped, batch = sched.collect()
+        inspect(batch)
+        for s, r, _ in sched.apply(stepped, sched.pool.step(batch)) + sched.finish_idle():
+            texts[int(s.stream_id[1:])].append(r.text)
+        if len(sessions) == len(samples) and all(s.state == SessionState.DONE for s in sessions.values()):
+            break
+    return sessions, texts

@@ -17,7 +17,7 @@ from engines.slot_pool import PoolExhausted
 from transcribe.bench import edit_distance
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionState
-from streaming_fixtures import stream_alone
+from streaming_fixtures import drive_staggered, stream_alone
 
 pytestmark = needs_shared
 WHOLE_FILE_MS = 100_000  # left/right context longer than every fixture file
@@ -173,31 +173,19 @@ def test_batched_at_different_positions_equals_alone(variant):
     alone = {i: _stream(model, f["samples"]) for i, f in enumerate(files)}
     sched = Scheduler(model, SchedulerConfig(max_streams=3, max_waiting=8))
     paces = [3000, 5000, 2000, 8000, 4000, 6000, 2500, 7000]
-    sessions, cursor, texts = {}, {}, {i: [] for i in range(len(files))}
-    widest, mixed = 0, False
-    for tick in range(2000):
-        if tick < len(files):
-            sessions[tick], cursor[tick] = sched.open(f"s{tick}"), 0
-        for i, s in sessions.items():
-            a = files[i]["samples"]
-            if cursor[i] < a.shape[0]:
-                s.push_audio(a[cursor[i]: cursor[i] + paces[i]])
-                cursor[i] += paces[i]
-                if cursor[i] >= a.shape[0]:
-                    s.end()
-        stepped, windows = sched.collect()
-        widest = max(widest, len(windows))
-        mixed |= len({w.left_frames == 0 for w in windows}) == 2
-        for s, r, _ in sched.apply(stepped, sched.pool.step(windows)) + sched.finish_idle():
-            texts[int(s.stream_id[1:])].append(r.text)
-        if len(sessions) == len(files) and all(s.state == SessionState.DONE for s in sessions.values()):
-            break
+    seen = {"widest": 0, "mixed": False}
+
+    def inspect(windows):
+        seen["widest"] = max(seen["widest"], len(windows))
+        seen["mixed"] |= len({w.left_frames == 0 for w in windows}) == 2
+
+    sessions, texts = drive_staggered(sched, [f["samples"] for f in files], paces, inspect)
     for i, s in sessions.items():
         ref, ref_texts = alone[i]
         assert s.state == SessionState.DONE
         assert (s.tokens, s.token_frames, s.token_durations) == (ref.tokens, ref.token_frames, ref.token_durations)
         assert texts[i] == ref_texts
-    assert widest == 3 and mixed
+    assert seen["widest"] == 3 and seen["mixed"]
     assert sched.pool.free_slots == 3 and not sched.active and not sched.waiting
 
 

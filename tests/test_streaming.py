@@ -13,7 +13,7 @@ from conftest import NEMO_REF, needs_shared
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import IncrementalLogMel, SessionState
 
-from streaming_fixtures import files, model, stream_alone  # noqa: F401  (fixtures)
+from streaming_fixtures import drive_staggered, files, model, stream_alone  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
@@ -63,35 +63,22 @@ def test_batched_at_different_positions_equals_alone(model, files):
     slot; each step batches whoever has a chunk. Partials, tokens and frames equal alone."""
     alone = {i: _stream_alone(model, f["samples"]) for i, f in enumerate(files)}
     sched = Scheduler(model, SchedulerConfig(max_streams=3, max_waiting=8))
-    sessions, cursor, texts = {}, {}, {i: [] for i in range(len(files))}
     paces = [3000, 5000, 2000, 8000, 4000, 6000]  # samples per tick
-    mixed, widest = False, 0
-    for tick in range(400):
-        if tick < len(files):
-            sessions[tick] = sched.open(f"s{tick}")
-            cursor[tick] = 0
-        for i, s in sessions.items():
-            a = files[i]["samples"]
-            if cursor[i] < a.shape[0]:
-                s.push_audio(a[cursor[i]: cursor[i] + paces[i]])
-                cursor[i] += paces[i]
-                if cursor[i] >= a.shape[0]:
-                    s.end()
-        sessions_stepped, chunks = sched.collect()
+    seen = {"widest": 0, "mixed": False}
+
+    def inspect(chunks):
         if chunks:
             assert len({c.slot for c in chunks}) == len(chunks)
-            mixed |= len({c.first for c in chunks}) == 2  # a first chunk beside later ones
-            widest = max(widest, len(chunks))
-        for s, r, _ in sched.apply(sessions_stepped, sched.pool.step(chunks)) + sched.finish_idle():
-            texts[int(s.stream_id[1:])].append(r.text)
-        if len(sessions) == len(files) and all(s.state == SessionState.DONE for s in sessions.values()):
-            break
+            seen["mixed"] |= len({c.first for c in chunks}) == 2  # a first chunk beside later ones
+            seen["widest"] = max(seen["widest"], len(chunks))
+
+    sessions, texts = drive_staggered(sched, [f["samples"] for f in files], paces, inspect, max_ticks=400)
     for i, s in sessions.items():
         assert s.state == SessionState.DONE
         assert texts[i] == alone[i][0]
         assert (s.tokens, s.token_frames) == alone[i][1:]
     assert sched.pool.free_slots == 3 and not sched.active and not sched.waiting
-    assert mixed and widest == 3
+    assert seen["mixed"] and seen["widest"] == 3
 
 
 def test_pool_slots_exhaust_and_reset(model, files):
