@@ -150,16 +150,32 @@ class DirectRunner:
         run_direct(self.static.pieces)
 
 
-def _warm_up(p: Pieces, device: torch.device) -> None:
-    """Run every piece eagerly on a side stream (inputs are all length 0, so nothing decodes)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new stream ordered after the current one: warm-up and capture never run on the default
+    stream."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+def warm_up(device: torch.device, run: Callable[[], None]) -> None:
+    """`run` eagerly on a side stream, then wait for it, so kernels, cuBLAS and attention set up
+    their state (and allocator blocks) before a capture records them."""
+    side = side_stream(device)
     with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+
+def _warm_up(p: Pieces, device: torch.device) -> None:
+    """Run every piece eagerly (inputs are all length 0, so nothing decodes)."""
+    def run() -> None:
         for _ in range(WARMUP_RUNS):
             for piece in (p.before, p.head, p.inner, p.after):
                 piece()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
+
+    warm_up(device, run)
 
 
 class UnrolledRunner:
@@ -170,8 +186,7 @@ class UnrolledRunner:
         p, device = static.pieces, static.enc_in.device
         _warm_up(p, device)
         self.graphs = {name: torch.cuda.CUDAGraph() for name in ("before", "head", "inner", "after")}
-        stream = torch.cuda.Stream(device)  # capture never runs on the default stream
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream = side_stream(device)
         for name, graph in self.graphs.items():
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 getattr(p, name)()
@@ -206,8 +221,7 @@ class FullGraphRunner:
         # torch's capture does not route to its pool: this pool (kept with the graph) takes them.
         self.body_pool = torch.cuda.MemPool()
         self.graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream = side_stream(device)
         with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             p.before()
             with torch.cuda.use_mem_pool(self.body_pool, device), loops.while_loop(p.active_any):

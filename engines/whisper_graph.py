@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engines import cuda_conditional
-from engines.decode_graphs import DecodeMode, ModeSelection
+from engines.decode_graphs import DecodeMode, ModeSelection, side_stream, warm_up
 from engines.whisper_static import StaticDecoding
 
 if TYPE_CHECKING:
@@ -56,22 +56,14 @@ class DirectRunner:
 
 
 def _warm_up(static: StaticDecoding, device: torch.device) -> None:
-    """Run every bucket's step eagerly on a side stream (the capture's kernels, once each)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    """Run every bucket's step eagerly (the capture's kernels, once each)."""
+    def run() -> None:
         for b in static.buckets:
             static.step_no.zero_()  # keeps the warm-up's writes inside the buffers
             for _ in range(WARMUP_RUNS):
                 static.chunk_body(b)
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
 
-
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    stream = torch.cuda.Stream(device)  # capture never runs on the default stream
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return stream
+    warm_up(device, run)
 
 
 class UnrolledRunner:
@@ -80,7 +72,7 @@ class UnrolledRunner:
     def __init__(self, static: StaticDecoding, pool: object, steps: int):
         device = static.done.device
         _warm_up(static, device)
-        stream = _capture_stream(device)
+        stream = side_stream(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(static.buckets):
             graph = torch.cuda.CUDAGraph()
@@ -104,7 +96,7 @@ class FullGraphRunner:
         # Allocations inside the while bodies happen on the bodies' own capture streams, which
         # torch's capture does not route to its pool: this pool (kept with the graphs) takes them.
         self.body_pool = torch.cuda.MemPool()
-        stream = _capture_stream(device)
+        stream = side_stream(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(static.buckets):
             graph = torch.cuda.CUDAGraph()
