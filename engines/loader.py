@@ -51,7 +51,7 @@ def choose_model(model: str | None) -> str:
 
 
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
-                features_on: str = "auto", dtype: str = "auto", backend_options=None):
+                features_on: str = "auto", dtype: str = "auto", backend_options=None, word_timestamps: bool = True):
     """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`. `decoder_mode` (auto,
     full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
@@ -61,7 +61,9 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     float16; Whisper's CPU decoder stays float32, engines.whisper_engine.compute_dtypes).
     `features_on` (auto, workers, device: transcribe/audio_frontend.py) and `backend_options`
     (engines.encoder_backend.BackendOptions: the profiles' batch limits, TensorRT's cache) apply
-    to Parakeet only: Whisper computes its features in the workers."""
+    to Parakeet only: Whisper computes its features in the workers. `word_timestamps` applies to
+    Whisper, whose word times take an extra alignment pass (engines/whisper_alignment.py);
+    Parakeet's come with its decoding."""
     name = choose_model(model)
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
@@ -73,12 +75,16 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine
 
-        return WhisperEngine.load(name, device, decoder_mode, dtype)
+        engine = WhisperEngine.load(name, device, decoder_mode, dtype)
+        engine.word_timestamps = word_timestamps
+        return engine
     if is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
         from engines.whisper_engine import WhisperEngine
 
-        return WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name,
-                                       decoder_mode=decoder_mode, dtype=dtype)
+        engine = WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name,
+                                         decoder_mode=decoder_mode, dtype=dtype)
+        engine.word_timestamps = word_timestamps
+        return engine
     from engines.parakeet import ParakeetEngine
 
     return ParakeetEngine.from_nemo(resolve_checkpoint(name), device, name=name, encoder_backend=encoder_backend,

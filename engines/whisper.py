@@ -207,13 +207,24 @@ class KVCache:
     def cross(self, i: int, n: int) -> tuple[Tensor, Tensor]:
         return self.cross_k[i, :n], self.cross_v[i, :n]
 
-    def keep(self, rows: Tensor) -> None:
-        """Move the listed rows (ascending indices) to the front; the rest become dead."""
-        n = rows.numel()
-        for buf, upto in ((self.self_k, self.length), (self.self_v, self.length),
-                          (self.cross_k, None), (self.cross_v, None)):
-            part = buf[:, :, :upto] if upto is not None else buf
-            part[:, :n] = part.index_select(1, rows)
+    def keep(self, perm: list[int], n: int) -> None:
+        """Rows perm[:n] (live, ascending) continue as rows 0..n-1. The cross K/V rows are
+        permuted whole (new row i = old row perm[i]) so finished windows' audio stays for the word
+        alignment; self K/V only need the live rows. Rows already in place are not copied."""
+        permute_rows(self.cross_k, perm, 1)
+        permute_rows(self.cross_v, perm, 1)
+        permute_rows(self.self_k[:, :, :self.length], perm[:n], 1)
+        permute_rows(self.self_v[:, :, :self.length], perm[:n], 1)
+
+
+def permute_rows(buf: Tensor, perm: list[int], dim: int) -> None:
+    """buf's rows 0..len(perm)-1 along dim become its rows perm[0], perm[1], ... (in place; only
+    rows that move are copied, through one gather)."""
+    moved = [i for i, r in enumerate(perm) if i != r]
+    if moved:
+        dst = torch.tensor(moved, device=buf.device)
+        src = torch.tensor([perm[i] for i in moved], device=buf.device)
+        buf.index_copy_(dim, dst, buf.index_select(dim, src))  # same as: buf[dst] = buf[src] (a copy first)
 
 
 class CrossAttention(nn.Module):

@@ -15,7 +15,7 @@ reads, the loop check at the same steps as eager).
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -23,10 +23,13 @@ from torch import Tensor
 from engines.cpu_threads import decoder_threads
 from engines.decode_graphs import DecodeMode
 from engines.whisper import KVCache, Whisper
+from engines.whisper_alignment import Aligner
+from engines.whisper_alignment import alignment_heads as default_alignment_heads
 from engines.whisper_graph import Runner, WhisperGraphs
 from engines.whisper_rules import RuleState, Rules
 from engines.whisper_static import StaticDecoding
-from engines.whisper_tokenizer import TIME_PRECISION, WhisperTokenizer
+from engines.whisper_tokenizer import WhisperTokenizer
+from engines.whisper_words import WindowSegment, split_segments, window_words
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ class DecodeOptions:
 
 @dataclass(frozen=True)
 class WindowResult:
-    """One decoded window. segments: (start_s, end_s, text) relative to the window start."""
+    """One decoded window, times in seconds from its start. segments: (start, end, text);
+    tokens: the decoded ids (timestamps included), token_logprobs: each one's log-probability;
+    words: (start, end, word, probability), filled when decoded with words=True."""
 
     text: str
     segments: tuple[tuple[float, float, str], ...]
@@ -68,6 +73,8 @@ class WindowResult:
     no_speech_prob: float
     compression_ratio: float
     looped: bool
+    token_logprobs: tuple[float, ...] = ()
+    words: tuple[tuple[float, float, str, float], ...] = ()
 
 
 def compression_ratio(text: str) -> float:
@@ -89,12 +96,15 @@ def trim_repetition(tokens: list[int], max_period: int = 64) -> list[int]:
 
 
 class Progress:
-    """The host's view of one batch: buffer row -> window (-1 once finished), each window's
-    tokens and log-probability sum, and whether a repetition loop cut it."""
+    """The host's view of one batch: buffer row -> live window (`rows`, -1 once finished),
+    buffer row -> window whose audio (cross K/V) it holds (`order`, -1: padding), each window's
+    tokens, their log-probabilities and sum, and whether a repetition loop cut it."""
 
     def __init__(self, n: int, rows: int | None = None):
         self.rows = list(range(n)) + [-1] * ((rows or n) - n)  # extra rows: padding, never live
+        self.order = list(self.rows)
         self.out: list[list[int]] = [[] for _ in range(n)]
+        self.lps: list[list[float]] = [[] for _ in range(n)]
         self.sum_lp, self.looped = [0.0] * n, [False] * n
 
     def record(self, tokens: list[list[int]], logprobs: list[list[float]], eot: int) -> None:
@@ -109,9 +119,20 @@ class Progress:
                     self.rows[r] = -1
                 else:
                     self.out[w].append(t)
+                    self.lps[w].append(lp)
 
     def live(self) -> list[int]:
         return [r for r, w in enumerate(self.rows) if w >= 0]
+
+    def keep(self, live: list[int], width: int) -> list[int]:
+        """The live rows (ascending) move to the front, `width` rows stay in use; the others
+        follow them in order, so every window's audio stays in the caches for the word
+        alignment. -> the permutation: new row i holds old row perm[i] (len(order) rows)."""
+        moved = set(live)
+        perm = live + [r for r in range(len(self.order)) if r not in moved]
+        self.order = [self.order[r] for r in perm]
+        self.rows = [self.rows[r] for r in live] + [-1] * (width - len(live))
+        return perm
 
 
 class GreedyDecoder:
@@ -121,7 +142,10 @@ class GreedyDecoder:
     CUDA-graph modes of `whisper_graph.py` over the same rules, progress and result code."""
 
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, options: DecodeOptions = DecodeOptions(),
-                 suppress_tokens: list[int] | None = None):
+                 suppress_tokens: list[int] | None = None,
+                 alignment_heads: tuple[tuple[int, int], ...] | None = None):
+        """alignment_heads: (decoder layer, head) pairs for word times (None: OpenAI's default,
+        see `whisper_alignment.alignment_heads`)."""
         self.model, self.tok, self.opts = model, tokenizer, options
         self.device = model.decoder.embed.weight.device
         self.suppress = tokenizer.suppress_tokens() if suppress_tokens is None else list(suppress_tokens)
@@ -129,6 +153,9 @@ class GreedyDecoder:
         self.prompt = tokenizer.sot_sequence(options.language, options.timestamps)
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
+        heads = alignment_heads or default_alignment_heads(model.dims, None)
+        self.aligner = Aligner(model.decoder, heads, tokenizer.sot_sequence(options.language, timestamps=False),
+                               tokenizer.eot)
 
     @property
     def mode(self) -> str:
@@ -145,21 +172,28 @@ class GreedyDecoder:
         self.graphs.reserve(max_batch)
 
     @torch.inference_mode()
-    def decode(self, mel: Tensor) -> list[WindowResult]:
-        """mel: [B, n_mels, 3000] -> one WindowResult per window (same order)."""
-        return self.decode_audio(self.model.encoder(mel.to(self.device)))
+    def decode(self, mel: Tensor, frames: list[int] | None = None, words: bool = False) -> list[WindowResult]:
+        """mel: [B, n_mels, 3000] -> one WindowResult per window (same order). words: also word
+        times (`whisper_alignment`), for which frames gives each window's mel frames of real
+        audio (None: all 3000)."""
+        return self.decode_audio(self.model.encoder(mel.to(self.device)), frames, words)
 
     @torch.inference_mode()
-    def decode_audio(self, audio: Tensor) -> list[WindowResult]:
-        """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use. The cross
-        K/V projection and the prompt run with all threads (the projection is one [B * 1500, d]
-        GEMM per layer: 1.3 s with 1 thread, 0.8 s with 2 for 16 windows of base), the token
-        loop with `decoder_threads`."""
+    def decode_audio(self, audio: Tensor, frames: list[int] | None = None, words: bool = False) -> list[WindowResult]:
+        """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use (see
+        `decode` for frames and words). The cross K/V projection, the prompt and the word
+        alignment run with all threads (the projection is one [B * 1500, d] GEMM per layer:
+        1.3 s with 1 thread, 0.8 s with 2 for 16 windows of base), the token loop with
+        `decoder_threads`."""
+        frames = frames or [2 * audio.shape[1]] * audio.shape[0]
         if self.graphs.mode is not DecodeMode.EAGER:
             built = self.graphs.ready(audio.shape[0])  # None once a failed capture fell back to eager
             if built is not None:
-                return self._chunked(audio, *built)
-        return self._greedy(audio)
+                static = built[0]
+                results, order = self._chunked(audio, *built)
+                return self.add_words(results, static.cross_k, static.cross_v, order, frames) if words else results
+        results, cache, order = self._greedy(audio)
+        return self.add_words(results, cache.cross_k, cache.cross_v, order, frames) if words else results
 
     def start(self, cache: KVCache, n: int) -> tuple[Tensor, Tensor]:
         """Run the prompt for n windows into `cache` (cross K/V already there) -> the first
@@ -171,8 +205,9 @@ class GreedyDecoder:
             no_speech = logits[:, 0].softmax(-1)[:, self.tok.no_speech].cpu()
         return logits[:, -1], no_speech
 
-    def _greedy(self, audio: Tensor) -> list[WindowResult]:
-        """audio: encoder states [B, n_audio_ctx, d] -> results (cross K/V projected once)."""
+    def _greedy(self, audio: Tensor) -> tuple[list[WindowResult], KVCache, list[int]]:
+        """audio: encoder states [B, n_audio_ctx, d] -> (results, the cache, the window whose
+        cross K/V each cache row holds). Cross K/V are projected once."""
         b = audio.shape[0]
         cache = self.model.decoder.new_cache(audio, self.opts.max_length)
         del audio
@@ -188,18 +223,18 @@ class GreedyDecoder:
                 if not live or step + 1 == self.n_steps:
                     break
                 if len(live) <= 0.75 * len(progress.rows):  # compact: finished rows stop costing compute
+                    cache.keep(progress.keep(live, len(live)), len(live))
                     keep = torch.tensor(live, device=self.device)
-                    cache.keep(keep)
-                    state = state.select(keep)
-                    nxt, progress.rows = nxt[keep], [progress.rows[r] for r in live]
+                    state, nxt = state.select(keep), nxt[keep]
                 logits = self.model.decoder(nxt[:, None], cache)[:, 0]
-        return self.results(progress, no_speech)
+        return self.results(progress, no_speech), cache, progress.order
 
-    def _chunked(self, audio: Tensor, static: StaticDecoding, runner: Runner) -> list[WindowResult]:
+    def _chunked(self, audio: Tensor, static: StaticDecoding, runner: Runner) -> tuple[list[WindowResult], list[int]]:
         """The graph modes' loop: `runner.steps` steps on the device per chunk, then one host
         read of the chunk's tokens. The loop check runs where eager runs it (every
         `loop_check_every` steps, which chunks never straddle); when fewer live rows fit a
-        smaller batch bucket, they move to the front of the static buffers and its graph runs."""
+        smaller batch bucket, they move to the front of the static buffers and its graph runs.
+        -> (results, the window whose cross K/V each static row holds)."""
         n = audio.shape[0]
         no_speech = static.load(audio)
         b = static.bucket(n)
@@ -215,12 +250,11 @@ class GreedyDecoder:
                     break
                 if static.bucket(len(live)) < b:
                     b = static.bucket(len(live))
-                    static.keep(live, positions=len(self.prompt) + s0)
-                    progress.rows = [progress.rows[r] for r in live] + [-1] * (b - len(live))
+                    static.keep(progress.keep(live, b), len(live), positions=len(self.prompt) + s0)
                     changed = True
                 if changed:  # loop cuts and moved rows: the device learns which rows are done
                     static.set_done([w < 0 for w in progress.rows])
-        return self.results(progress, no_speech)
+        return self.results(progress, no_speech), progress.order
 
     def stop_loops(self, progress: Progress) -> bool:
         """Finish rows whose text already compresses like a repetition loop; True if any."""
@@ -233,10 +267,11 @@ class GreedyDecoder:
         return cut
 
     def results(self, progress: Progress, no_speech: Tensor) -> list[WindowResult]:
-        return [self._result(out, lp, float(ns), looped)
-                for out, lp, ns, looped in zip(progress.out, progress.sum_lp, no_speech, progress.looped)]
+        return [self._result(out, lps, sum_lp, float(ns), looped) for out, lps, sum_lp, ns, looped
+                in zip(progress.out, progress.lps, progress.sum_lp, no_speech, progress.looped)]
 
-    def _result(self, tokens: list[int], sum_lp: float, no_speech: float, looped: bool) -> WindowResult:
+    def _result(self, tokens: list[int], lps: list[float], sum_lp: float, no_speech: float,
+                looped: bool) -> WindowResult:
         tok, opts = self.tok, self.opts
         avg_lp = sum_lp / (len(tokens) + 1)
         text = tok.decode(tokens)
@@ -244,25 +279,36 @@ class GreedyDecoder:
         if looped or (opts.compression_ratio_threshold is not None and ratio > opts.compression_ratio_threshold):
             looped, tokens = True, trim_repetition(tokens)
             text = tok.decode(tokens)
+        lps = tuple(lps[:len(tokens)])
         silent = (opts.no_speech_threshold is not None and no_speech > opts.no_speech_threshold
                   and not (opts.logprob_threshold is not None and avg_lp > opts.logprob_threshold))
         if silent:
-            return WindowResult("", (), tuple(tokens), avg_lp, no_speech, ratio, looped)
-        return WindowResult(text.strip(), self._segments(tokens), tuple(tokens), avg_lp, no_speech, ratio, looped)
+            return WindowResult("", (), tuple(tokens), avg_lp, no_speech, ratio, looped, lps)
+        return WindowResult(text.strip(), self._segments(split_segments(tokens, tok)), tuple(tokens), avg_lp,
+                            no_speech, ratio, looped, lps)
 
-    def _segments(self, tokens: list[int]) -> tuple[tuple[float, float, str], ...]:
-        """Split at timestamp tokens: <|a|> text <|b|> -> (a, b, text). Unclosed text ends at 30 s."""
-        ts0, segs, start, cur, prev_end = self.tok.timestamp_begin, [], None, [], 0.0
-        for t in tokens:
-            if t < ts0:
-                cur.append(t)
+    def _segments(self, segments: list[WindowSegment]) -> tuple[tuple[float, float, str], ...]:
+        """(start, end, text) of the segments with text."""
+        texts = [self.tok.decode(list(s.tokens)).strip() for s in segments]
+        return tuple((s.start, s.end, text) for s, text in zip(segments, texts) if text)
+
+    def add_words(self, results: list[WindowResult], cross_k: Tensor, cross_v: Tensor, order: list[int],
+                  frames: list[int]) -> list[WindowResult]:
+        """Word times for every window with text (`whisper_alignment`, `whisper_words`); row r of
+        cross_k / cross_v [layers, rows, heads, T_audio, d/heads] holds window order[r]'s audio
+        (-1: none); frames: mel frames of real audio per window. Segment times move to their
+        words as OpenAI moves them."""
+        eot = self.tok.eot
+        texts = [[t for t in results[w].tokens if t < eot] if w >= 0 and results[w].text else [] for w in order]
+        starts = self.aligner.token_starts(cross_k, cross_v, texts, [frames[w] if w >= 0 else 0 for w in order])
+        out = list(results)
+        for r, w in enumerate(order):
+            if not texts[r]:
                 continue
-            sec = (t - ts0) * TIME_PRECISION
-            if cur:  # closes the open segment (or text that followed a closed one)
-                segs.append((prev_end if start is None else start, sec, self.tok.decode(cur).strip()))
-                start, cur, prev_end = None, [], sec
-            else:
-                start = sec
-        if cur:
-            segs.append((prev_end if start is None else start, 30.0, self.tok.decode(cur).strip()))
-        return tuple(s for s in segs if s[2])
+            res = results[w]
+            lps = [lp for t, lp in zip(res.tokens, res.token_logprobs) if t < eot]
+            segments, words = window_words(split_segments(res.tokens, self.tok), starts[r], lps, self.tok,
+                                           self.opts.language)
+            out[w] = replace(res, segments=self._segments(segments),
+                             words=tuple((x.start, x.end, x.word.strip(), x.probability) for ws in words for x in ws))
+        return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from engines.decode_graphs import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
-from transcribe.results import Result, Segment
+from transcribe.results import Result, Segment, Word
 from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, FeatureConfig,
                                          log_mel_spectrogram)
 
@@ -56,7 +57,13 @@ class WhisperFrontend:
     The log-mel is computed over the zero-padded 30 s window (the dynamic-range floor depends on
     the window's maximum), but only the frames that see audio plus one that sees only padding
     are kept: every later frame equals that one, so `pad_window` restores the window exactly
-    while shared memory carries a fraction of 3000 frames for short pieces."""
+    while shared memory carries a fraction of 3000 frames for short pieces.
+
+    OpenAI's and faster-whisper's `transcribe` instead cut the log-mel after the audio and pad
+    it with zeros, which in log-mel units is far louder than the silence floor. Their windows
+    are full 30 s except the last, ours are pieces cut at pauses and nearly all padded: with
+    their padding whisper-base's WER rose from 14.06 to 15.52 % on 235 files (0.92 h, most on
+    the long-form joins: 13.74 -> 15.72 %), so we keep the padded audio's log-mel."""
 
     def __init__(self, n_mels: int):
         self.cfg = FeatureConfig(n_mels)
@@ -88,13 +95,24 @@ def frames_to_seconds(frames: int) -> float:
     return max(0.0, ((frames - 1) * HOP_LENGTH - N_FFT // 2) / SAMPLE_RATE)
 
 
-class WhisperEngine:
-    """Windows of 16 kHz audio in, (text, segments) out; batches windows of similar length."""
+def audio_frames(samples: int) -> int:
+    """Mel frames that hold `samples` of audio (OpenAI's num_frames, which bounds the frames
+    the word alignment looks at)."""
+    return max(1, min(N_FRAMES, samples // HOP_LENGTH))
 
-    def __init__(self, decoder: GreedyDecoder, batch_size: int = 16, name: str = "whisper"):
+
+class WhisperEngine:
+    """Windows of 16 kHz audio in, (text, segments, words) out; batches windows of similar length.
+
+    word_timestamps: the pipeline's results carry word times (OpenAI's cross-attention
+    alignment, `engines/whisper_alignment.py`: one extra teacher-forced decoder pass per batch);
+    the CLI turns it off when no output format shows words."""
+
+    def __init__(self, decoder: GreedyDecoder, batch_size: int = 16, name: str = "whisper",
+                 word_timestamps: bool = True):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got batch_size={batch_size!r}")
-        self.decoder, self.batch_size = decoder, batch_size
+        self.decoder, self.batch_size, self.word_timestamps = decoder, batch_size, word_timestamps
         # The pipeline's Engine protocol:
         self.name = name
         self.device = str(decoder.device)
@@ -147,12 +165,15 @@ class WhisperEngine:
             chunk = features[s:s + self.batch_size]
             t0 = time.perf_counter()
             mel = torch.stack([pad_window(f) for f in chunk])  # copies out of shared memory
-            results = self.decoder.decode(mel)
+            seconds = [frames_to_seconds(f.shape[1]) for f in chunk]
+            frames = [audio_frames(round(s * SAMPLE_RATE)) for s in seconds]
+            results = self.decoder.decode(mel, frames, words=self.word_timestamps)
             self.stage_seconds["whisper"] += time.perf_counter() - t0
-            for f, res in zip(chunk, results):
-                res = _clip(res, frames_to_seconds(f.shape[1]))
+            for sec, res in zip(seconds, results):
+                res = _clip(res, sec)
                 segments = [Segment(text.strip(), a, b) for a, b, text in res.segments if text.strip()]
-                out.append(Result(text=res.text.strip(), segments=segments, tokens=list(res.tokens)))
+                words = [Word(w, a, b, p) for a, b, w, p in res.words]
+                out.append(Result(text=res.text.strip(), words=words, segments=segments, tokens=list(res.tokens)))
         return out
 
     @classmethod
@@ -179,6 +200,7 @@ class WhisperEngine:
         import os
 
         from engines.whisper import build_whisper
+        from engines.whisper_alignment import alignment_heads
         from engines.whisper_tokenizer import load_tokenizer
         from engines.whisper_weights import bundled_base_dir, load_any, load_ct2
 
@@ -201,12 +223,13 @@ class WhisperEngine:
         cfg = folder / "config.json"
         suppress = json.loads(cfg.read_text()).get("suppress_ids") if cfg.is_file() else None
         model = build_whisper(dims, state, device, encoder_dtype, decoder_dtype)
-        decoder = GreedyDecoder(model, tok, options, suppress)
+        decoder = GreedyDecoder(model, tok, options, suppress, alignment_heads(dims, folder))
         decoder.set_mode(decoder_mode)
         return cls(decoder, batch_size)
 
-    def decode_windows(self, windows: list) -> list[WindowResult]:
-        """windows: 1-D float arrays (numpy or torch) of <= 30 s at 16 kHz -> WindowResults."""
+    def decode_windows(self, windows: list, words: bool | None = None) -> list[WindowResult]:
+        """windows: 1-D float arrays (numpy or torch) of <= 30 s at 16 kHz -> WindowResults
+        (with word times when words, None: `word_timestamps`)."""
         from transcribe.whisper_features import N_SAMPLES, SAMPLE_RATE, FeatureConfig, log_mel_spectrogram
 
         wav = [torch.as_tensor(w, dtype=torch.float32) for w in windows]
@@ -222,7 +245,10 @@ class WhisperEngine:
             batch = torch.zeros(len(idx), N_SAMPLES)
             for j, i in enumerate(idx):
                 batch[j, :wav[i].numel()] = wav[i]
-            for i, res in zip(idx, self.decoder.decode(log_mel_spectrogram(batch, cfg))):
+            frames = [audio_frames(wav[i].numel()) for i in idx]
+            decoded = self.decoder.decode(log_mel_spectrogram(batch, cfg), frames,
+                                          self.word_timestamps if words is None else words)
+            for i, res in zip(idx, decoded):
                 results[i] = _clip(res, wav[i].numel() / SAMPLE_RATE)
         return results
 
@@ -232,7 +258,7 @@ class WhisperEngine:
 
 
 def _clip(res: WindowResult, duration: float) -> WindowResult:
-    """Keep segment times inside the real (unpadded) window."""
+    """Keep segment and word times inside the real (unpadded) window."""
     segs = tuple((min(a, duration), min(b, duration), t) for a, b, t in res.segments)
-    return WindowResult(res.text, segs, res.tokens, res.avg_logprob, res.no_speech_prob,
-                        res.compression_ratio, res.looped)
+    words = tuple((min(a, duration), min(b, duration), w, p) for a, b, w, p in res.words)
+    return replace(res, segments=segs, words=words)

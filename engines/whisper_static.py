@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engines.whisper import KVCache
+from engines.whisper import KVCache, permute_rows
 from engines.whisper_rules import RuleState
 
 if TYPE_CHECKING:
@@ -155,15 +155,17 @@ class StaticDecoding:
             self.event.synchronize()  # waits for these copies only
         return self.host_tokens[s0:s1, :b].tolist(), self.host_logprobs[s0:s1, :b].tolist()
 
-    def keep(self, rows: list[int], positions: int) -> None:
-        """Move the listed rows (ascending) to the front of every per-row buffer; self K/V only
-        up to the positions filled. Tokens and log-probabilities are already on the host."""
-        idx = torch.tensor(rows, device=self.done.device)
-        k = len(rows)
-        for buf in (self.self_k[:, :, :positions], self.self_v[:, :, :positions], self.cross_k, self.cross_v):
-            buf[:, :k] = buf.index_select(1, idx)
+    def keep(self, perm: list[int], n: int, positions: int) -> None:
+        """Rows perm[:n] (live, ascending) continue as rows 0..n-1 of every per-row buffer; self
+        K/V only up to the positions filled. Cross K/V rows are permuted whole (new row i = old
+        row perm[i]), so finished windows' audio stays for the word alignment. Tokens and
+        log-probabilities are already on the host."""
+        permute_rows(self.cross_k, perm, 1)
+        permute_rows(self.cross_v, perm, 1)
+        for buf in (self.self_k[:, :, :positions], self.self_v[:, :, :positions]):
+            permute_rows(buf, perm[:n], 1)
         for buf in (self.logits, self.token, self.state.last, self.state.penult, self.state.ts_last):
-            buf[:k] = buf.index_select(0, idx)
+            permute_rows(buf, perm[:n], 0)
 
     def set_done(self, done: list[bool]) -> None:
         """The host's view of which rows 0..len(done)-1 are finished (loop cuts, moved rows)."""

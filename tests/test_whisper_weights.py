@@ -185,7 +185,9 @@ def test_kv_cache_steps_match_full_forward_and_compaction(checkpoints):
         steps = [model.decoder(tokens[:, :3], cache)]
         steps.append(model.decoder(tokens[:, 3:5], cache))  # two at once, after a cached prefix
         steps.append(model.decoder(tokens[:, 5:6], cache))
-        cache.keep(torch.tensor([0, 2]))  # row 1 finished: rows 0 and 2 continue as 0 and 1
+        cross = cache.cross_k.clone()
+        cache.keep([0, 2, 1], 2)  # row 1 finished: rows 0 and 2 continue as 0 and 1
+        assert torch.equal(cache.cross_k, cross[:, [0, 2, 1]])  # its audio is kept, behind them
         for t in range(6, 9):
             steps.append(model.decoder(tokens[[0, 2], t:t + 1], cache))
     torch.testing.assert_close(torch.cat(steps[:3], 1), full[:, :6], rtol=1e-4, atol=1e-4)

@@ -39,11 +39,13 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
-             features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None):
+             features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
+             words: bool = True):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
-    TensorRT engine built by `export-engine --batch-seconds` with the same value is found."""
+    TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
+    `words`: an output shows word times (Whisper aligns words only then)."""
     from engines.checkpoint import CheckpointError
     from engines.loader import load_engine
     from transcribe.inputs import InputError, discover, shard
@@ -75,7 +77,8 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     spares = Prespawned(workers or default_workers())
     engine = None
     try:
-        engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options)
+        engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
+                             word_timestamps=words)
     except (CheckpointError, ValueError, OSError) as e:
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
     finally:
@@ -115,7 +118,7 @@ def transcribe(
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
-                                        features_on, dtype, batch_seconds)
+                                        features_on, dtype, batch_seconds, words="json" in formats)
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares))
@@ -148,7 +151,7 @@ def bench(
 
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
-                                             features_on, dtype, batch_seconds)
+                                             features_on, dtype, batch_seconds, words=False)  # bench writes txt
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,

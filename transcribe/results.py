@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Word:
-    """One word as NeMo spells it in word timestamps; start/end in seconds."""
+    """One word as the model spells it (NeMo: its word timestamps; Whisper: OpenAI's words,
+    punctuation attached); start/end in seconds. probability: the model's confidence in the
+    word (Whisper: mean token probability), None where the model gives none (Parakeet)."""
 
     word: str
     start: float
     end: float
+    probability: float | None = None
 
 
 @dataclass(frozen=True)
