@@ -231,3 +231,29 @@ def test_gpu_random_model_full_graph_capture_failure_falls_back_to_unrolled(monk
     assert_same_results(got.results, want.results)
     lines = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
     assert len(lines) == 1 and "simulated conditional-node failure" in lines[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("mode", ["full-graph", "unrolled"])
+def test_graph_modes_keep_every_windows_audio_for_words(mode, device, buckets_run):
+    """Word times read each window's cross K/V after the batch (engines/whisper_alignment.py):
+    the static rows are permuted, not overwritten, as live rows move to smaller buckets, so the
+    graph path's words equal eager's (fp32; captured on CUDA, step by step on the CPU)."""
+    if device == "cuda":
+        _gpu_setup(mode, torch.float32)
+    opts, m = CONFIGS["timestamps"], model(device, torch.float32)
+    audio = windows(torch.float32, device)
+    with torch.inference_mode():
+        want = random_decoder(m, opts).decode_audio(audio, words=True)
+        if device == "cuda":
+            dec = random_decoder(m, opts)
+            assert dec.set_mode(mode) == mode
+        else:
+            dec = direct(torch.float32, opts, DecodeMode(mode))
+        buckets_run.clear()
+        got = dec.decode_audio(audio, words=True)
+    assert check_buckets(buckets_run, N_WINDOWS, DecodeMode(mode), opts)
+    assert sum(len(r.words) for r in want) > 20
+    for g, w in zip(got, want, strict=True):
+        assert [x[:3] for x in g.words] == [x[:3] for x in w.words]
+        assert [x[3] for x in g.words] == pytest.approx([x[3] for x in w.words], abs=1e-4)
