@@ -15,6 +15,14 @@ class Word:
     end: float
     probability: float | None = None
 
+    def to_json(self) -> dict:
+        """As written in JSON outputs and streamed results: word, start, end (s, 1 ms), and
+        probability when the model gives one."""
+        doc = {"word": self.word, "start": round(self.start, 3), "end": round(self.end, 3)}
+        if self.probability is not None:
+            doc["probability"] = round(self.probability, 4)
+        return doc
+
 
 @dataclass(frozen=True)
 class Segment:

@@ -40,17 +40,9 @@ def write_json(result) -> str:
     doc = {
         "text": result.text,
         "segments": [{"text": s.text, "start": round(s.start, 3), "end": round(s.end, 3)} for s in result.segments],
-        "words": [_word(w) for w in result.words],
+        "words": [w.to_json() for w in result.words],
     }
     return json.dumps(doc, ensure_ascii=False, indent=1) + "\n"
-
-
-def _word(w) -> dict:
-    """A word's JSON: word, start, end (s), and probability when the model gives one."""
-    doc = {"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)}
-    if w.probability is not None:
-        doc["probability"] = round(w.probability, 4)
-    return doc
 
 
 def write_srt(result) -> str:

@@ -85,7 +85,7 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
 
 def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) -> None:
     if as_json:
-        words = [{"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for w in result.words]
+        words = [w.to_json() for w in result.words]
         echo(json.dumps({"type": "final" if final else "partial", "audio_seconds": round(decoded_s, 3),
                          "text": result.text, "words": words}, ensure_ascii=False))
     else:

@@ -126,7 +126,7 @@ def encode(msg: dict[str, Any]) -> bytes:
 def result_message(stream_id: str, result: Result, final: bool, audio_seconds: float) -> dict[str, Any]:
     return {
         "type": "final" if final else "partial", "stream_id": stream_id, "text": result.text,
-        "words": [{"word": w.word, "start": round(w.start, 3), "end": round(w.end, 3)} for w in result.words],
+        "words": [w.to_json() for w in result.words],
         "audio_seconds": round(audio_seconds, 3),
     }
 
