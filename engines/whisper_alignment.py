@@ -78,7 +78,7 @@ class Aligner:
         matrices = []
         for r in rows:
             n = p + len(texts[r]) + 1  # prompt, text, <|endoftext|>
-            w = qk[r, :, :n, : frames[r] // 2].softmax(dim=-1)
+            w = qk[r, :, :n, :max(1, frames[r] // 2)].softmax(dim=-1)  # encoder frames of audio
             std, mean = torch.std_mean(w, dim=-2, keepdim=True, unbiased=False)
             w = median_filter((w - mean) / std, MEDIAN_FILTER_WIDTH)
             # rows: <|notimestamps|> (predicting text[0]) .. text[-1] (predicting <|endoftext|>)
