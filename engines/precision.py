@@ -48,7 +48,8 @@ def resolve_dtype(name: str, device: torch.device | str, auto: torch.dtype = tor
     unsupported there); `auto` -> the caller's `auto`. Parakeet's is float32 everywhere: it
     reproduces NeMo's outputs exactly, and reduced precision stays opt-in until it is measured on
     real weights (WER) and on a GPU -- bf16 gave different greedy tokens on 17 of 32 random-weight
-    fixture files (near ties). Whisper's is float16 on CUDA (engines/whisper_engine.py)."""
+    fixture files (near ties). Whisper's is float16 on CUDA and bfloat16 on CPUs with bf16
+    (engines/whisper_engine.py)."""
     key = ALIASES.get(name, name)
     if key == "auto":
         return auto

@@ -36,7 +36,11 @@ WINDOW_SECONDS = 30.0
 
 def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     """`--dtype` name -> (encoder, decoder) compute dtypes on `device` (ValueError when unknown or
-    unsupported there: engines.precision). auto: float16 on CUDA, float32 on the CPU.
+    unsupported there: engines.precision). auto: float16 on CUDA; on the CPU bfloat16 where it
+    has bf16 in hardware (AVX512_BF16 / AMX / Arm BF16), else float32. The bf16 encoder gave
+    the same WER as fp32 over 235 files (0.92 h, manifest_eval_short + the long-form joins:
+    14.05 vs 14.06 %; 11.79 vs 11.63 % on the 100 test-other files alone) and ran the whole
+    command 1.41x faster on test-other (2-core AMD EPYC).
 
     The CPU decoder stays float32 whatever the encoder's dtype: its steps are [n <= 16, 512] rows
     and one-query attention over the cached audio, where torch's CPU bf16 attention ran 3.4x
@@ -46,8 +50,11 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     the one dtype."""
     from engines.precision import resolve_dtype
 
+    from engines.fast_linear import onednn_linear_available
+
     cuda = torch.device(device).type == "cuda"
-    encoder = resolve_dtype(dtype, device, auto=torch.float16 if cuda else torch.float32)
+    cpu_auto = torch.bfloat16 if onednn_linear_available(torch.bfloat16) else torch.float32
+    encoder = resolve_dtype(dtype, device, auto=torch.float16 if cuda else cpu_auto)
     return encoder, encoder if cuda else torch.float32
 
 
@@ -192,8 +199,8 @@ class WhisperEngine:
         else the bundled multilingual one when the vocab size matches it. Suppressed tokens come
         from a CT2 config.json when present, else from the tokenizer. CPU threads default to
         the usable cores. `decoder_mode`: auto, full-graph, unrolled or eager (a graph mode that
-        cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, float32 on the
-        CPU), float32, bfloat16 (CPUs with bf16 in hardware, CUDA sm80+), float16 (CUDA), or
+        cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, bfloat16 on a
+        CPU with bf16 in hardware, else float32), float32, bfloat16 (CPUs with bf16 in hardware, CUDA sm80+), float16 (CUDA), or
         the aliases fp32 / bf16 / fp16; see `compute_dtypes`.
         """
         import json

@@ -147,7 +147,7 @@ def test_bundled_base_transcribes_real_speech(bundled):
     from transcribe.audio import load_audio
     from transcribe.bench import wer
 
-    engine = WhisperEngine.from_bundled(batch_size=4)
+    engine = WhisperEngine.from_bundled(batch_size=4, dtype="float32")
     audio = [load_audio(SPEECH / path, 16000) for path, _ in CLIPS]
     out = engine.transcribe_windows(audio)
     texts = [t for t, _ in out[:3]]

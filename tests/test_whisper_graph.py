@@ -131,7 +131,7 @@ def base():
         pytest.skip(f"shared speech data not found at {SPEECH}")
     from engines.whisper_engine import WhisperEngine
 
-    return WhisperEngine.from_bundled(batch_size=8)
+    return WhisperEngine.from_bundled(batch_size=8, dtype="float32")
 
 
 @lru_cache(maxsize=None)
@@ -314,7 +314,7 @@ def test_loader_passes_decoder_mode_to_whisper(caplog):
     from engines.loader import load_engine
 
     with caplog.at_level(logging.WARNING, logger="transcribe"):
-        engine = load_engine("whisper-base", "cpu", decoder_mode="unrolled")
+        engine = load_engine("whisper-base", "cpu", decoder_mode="unrolled", dtype="float32")
     assert engine.runtime == "encoder float32, decoder float32 eager"
     assert "decoder mode eager (requested unrolled): device is cpu" in [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match="encoder backend"):

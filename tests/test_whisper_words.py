@@ -32,7 +32,7 @@ def base():
         pytest.skip(str(e))
     if not SPEECH.is_dir():
         pytest.skip(f"shared speech data not found at {SPEECH}")
-    return WhisperEngine.from_bundled(batch_size=16)
+    return WhisperEngine.from_bundled(batch_size=16, dtype="float32")  # openai-whisper ran fp32
 
 
 def reference_files() -> list[dict]:
