@@ -48,9 +48,8 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     16 windows of test-other and changed 2.2 % of fp32's words (the bf16 encoder alone: 0.6 %);
     fp32 also keeps the logits the timestamp rules compare unrounded. CUDA runs both halves in
     the one dtype."""
-    from engines.precision import resolve_dtype
-
     from engines.fast_linear import onednn_linear_available
+    from engines.precision import resolve_dtype
 
     cuda = torch.device(device).type == "cuda"
     cpu_auto = torch.bfloat16 if onednn_linear_available(torch.bfloat16) else torch.float32
@@ -200,8 +199,9 @@ class WhisperEngine:
         from a CT2 config.json when present, else from the tokenizer. CPU threads default to
         the usable cores. `decoder_mode`: auto, full-graph, unrolled or eager (a graph mode that
         cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, bfloat16 on a
-        CPU with bf16 in hardware, else float32), float32, bfloat16 (CPUs with bf16 in hardware, CUDA sm80+), float16 (CUDA), or
-        the aliases fp32 / bf16 / fp16; see `compute_dtypes`.
+        CPU with bf16 in hardware, else float32), float32, bfloat16 (CPUs with bf16 in
+        hardware, CUDA sm80+), float16 (CUDA), or the aliases fp32 / bf16 / fp16; see
+        `compute_dtypes`.
         """
         import json
         import os
