@@ -73,7 +73,7 @@ class Aligner:
         out = [np.zeros(0)] * len(texts)
         if not rows:
             return out
-        qk = self._forced_scores(cross_k, cross_v, [texts[r] if r in rows else [] for r in range(max(rows) + 1)])
+        qk = self._forced_scores(cross_k, cross_v, texts[:rows[-1] + 1])
         p = len(self.prompt)
         matrices = []
         for r in rows:

@@ -18,7 +18,6 @@ avoids.
 """
 from __future__ import annotations
 
-import math
 import string
 from dataclasses import dataclass
 
@@ -200,4 +199,4 @@ def _fit_segments(segments: list[WindowSegment], words: list[WindowWord], median
 
 def _round(seconds: float) -> float:
     """OpenAI's round(x, 2) (and never -0.0)."""
-    return round(seconds, 2) + 0.0 if math.isfinite(seconds) else seconds
+    return round(seconds, 2) + 0.0

@@ -79,3 +79,18 @@ def reference(request) -> Reference:
     if not NEMO_REF.is_dir():
         pytest.skip(f"shared fixtures not found at {NEMO_REF} (CI always has them)")
     return Reference(request.param)
+
+
+def bundled_whisper_fp32(batch_size: int):
+    """The bundled whisper-base in float32 (as the references were made), or a skip when its
+    packages or the shared speech are missing."""
+    from engines.whisper_engine import WhisperEngine
+    from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
+
+    try:
+        bundled_base_dir()
+    except WhisperWeightsError as e:
+        pytest.skip(str(e))
+    if not SPEECH.is_dir():
+        pytest.skip(f"shared speech data not found at {SPEECH}")
+    return WhisperEngine.from_bundled(batch_size=batch_size, dtype="float32")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SPEECH
+from conftest import SPEECH, bundled_whisper_fp32
 from engines import cuda_conditional, decode_graphs, whisper_graph
 from engines.decode_graphs import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
@@ -123,15 +123,7 @@ def test_rules_equal_openai_branches_with_the_real_vocabulary(opts):
 
 @pytest.fixture(scope="module")
 def base():
-    try:
-        bundled_base_dir()
-    except WhisperWeightsError as e:
-        pytest.skip(str(e))
-    if not SPEECH.is_dir():
-        pytest.skip(f"shared speech data not found at {SPEECH}")
-    from engines.whisper_engine import WhisperEngine
-
-    return WhisperEngine.from_bundled(batch_size=8, dtype="float32")
+    return bundled_whisper_fp32(batch_size=8)
 
 
 @lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SPEECH
+from conftest import SPEECH, bundled_whisper_fp32
 from engines.decode_graphs import DecodeMode
 from engines.whisper import KVCache
 from engines.whisper_alignment import alignment_heads, dtw_paths, median_filter
@@ -24,15 +24,7 @@ REFERENCE = Path(__file__).parent / "data" / "whisper_words" / "reference.json"
 
 @pytest.fixture(scope="module")
 def base():
-    from engines.whisper_engine import WhisperEngine
-
-    try:
-        bundled_base_dir()
-    except WhisperWeightsError as e:
-        pytest.skip(str(e))
-    if not SPEECH.is_dir():
-        pytest.skip(f"shared speech data not found at {SPEECH}")
-    return WhisperEngine.from_bundled(batch_size=16, dtype="float32")  # openai-whisper ran fp32
+    return bundled_whisper_fp32(batch_size=16)  # openai-whisper ran fp32
 
 
 def reference_files() -> list[dict]:
