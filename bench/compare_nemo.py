@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side bench: our `transcribe bench` against NVIDIA NeMo's `transcribe()`, same files.
 
-Run with the project's venv python (stdlib only):
+Run with the project's venv python (it computes both WERs with `transcribe.bench.wer`):
 
     .venv/bin/python bench/compare_nemo.py --model /work/models/parakeet_tdt_0.6b_v2_random.nemo \
         --manifest /work/shared/data/speech/librispeech_test_other/manifest.jsonl \
@@ -27,7 +27,10 @@ Reported per peer:
                  (wall_seconds - stages.load_model), else audio_seconds / sum(stages except
                  load_model)
   load_seconds   NeMo's restore_from; ours stages.load_model
-  wer            each peer's corpus WER with the same normalisation (see nemo_peer.py)
+  wer            each peer's corpus WER, both by `transcribe.bench.wer` in the project venv
+                 (OpenAI Whisper's English normaliser): ours from `transcribe bench`, NeMo's
+                 recomputed here from its report's `texts` and `references`, so the two never
+                 depend on what the NeMo venv has installed
   cpu_seconds    user+sys CPU of the whole command; loadavg_1m_before/after: the machine's
                  load around it (a load well above --threads means others competed for CPU)
 and ratios ours/NeMo of rtfx_whole and rtfx_steady (> 1: we are faster). A peer that is
@@ -114,9 +117,21 @@ def nemo_side(args, out_dir: Path, stem: str) -> dict:
         steady_seconds=r.get("transcribe_seconds"),
         rtfx_whole=_rnd(audio / whole),
         rtfx_steady=r.get("rtfx_steady"),
-        wer=r.get("wer"),
+        wer=_project_wer(r),
     )
     return res
+
+
+def _project_wer(peer_report: dict):
+    """The NeMo peer's WER by our `transcribe.bench.wer`, in this (the project's) venv."""
+    refs = peer_report.get("references")
+    if not refs or not any(r is not None for r in refs):
+        return None
+    sys.path.insert(0, str(REPO))
+    from transcribe.bench import wer
+
+    kept = [(r, h) for r, h in zip(refs, peer_report["texts"]) if r is not None]
+    return wer([r for r, _ in kept], [h for _, h in kept])
 
 
 def ours_side(args, out_dir: Path, stem: str) -> dict:

@@ -9,7 +9,8 @@ int8 is faster-whisper's usual CPU setting), ours as `transcribe bench --model w
 --dtype D` (auto by default: float32 on the CPU; bfloat16 on CPUs with bf16). We print, per
 side, RTFx = audio seconds / transcribe seconds (audio decode included, model load excluded),
 end-to-end RTFx including load and interpreter start, the ratio ours / peer, and WER against the
-manifest text (lower case, punctuation removed, numbers left as they are: `transcribe.bench`).
+manifest text, both sides computed here in the project venv by `transcribe.bench.wer` (OpenAI
+Whisper's English normaliser; the peer venv needs no WER package).
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 """NeMo peer for the speed/accuracy comparison: NVIDIA NeMo's own `transcribe()` (CPU or CUDA).
 
 Runs INSIDE the NeMo virtualenv (see bench/README.md), never with the project's venv; from
-this repository it imports only `transcribe.bench.normalize_text` (standard library only), so
-both peers' WER use the very same normalisation.
+this repository it imports only `transcribe.bench` (standard library at import time), so both
+peers' WER use the very same normalisation.
 
     /work/venvs/nemo/bin/python bench/nemo_peer.py --model M.nemo --manifest test.jsonl \
         --batch-size 8 --threads 2 --json out.json
@@ -27,14 +27,16 @@ put in eval mode, and every file of the manifest is transcribed by ONE call of
 
 The JSON report: {peer, nemo_version, torch_version, model, manifest, files, audio_seconds,
 load_seconds, transcribe_seconds, load_cpu_seconds, transcribe_cpu_seconds, rtfx_steady,
-batch_size, threads, wer, wer_words, wer_normalisation, texts, ...}.
+batch_size, threads, wer, wer_words, wer_normalisation, texts, references, ...}.
 
-WER normalisation, applied to reference and hypothesis alike (the same rules as
-`transcribe bench`, so the two WERs are comparable): Unicode NFKC, lower case, every
-character that is not a letter, digit, apostrophe or space becomes a space, apostrophes at
-word edges are dropped, whitespace collapsed. Corpus WER = total word edits / total
-reference words, over files whose normalised reference is not empty. jiwer is used when
-installed in the NeMo venv, else a plain Levenshtein on words (same result).
+WER normalisation, applied to reference and hypothesis alike: `transcribe.bench.normalized_pairs`,
+the same code as `transcribe bench`, i.e. OpenAI Whisper's English normaliser from the
+`whisper-normalizer` package (`nemo_toolkit[asr]==3.0.0` pulls in 0.1.15, the version the
+project venv has). Corpus WER = total word edits / total reference words, over files whose
+normalised reference has a letter or digit. jiwer is used when installed in the NeMo venv, else
+a plain Levenshtein on words (same result). Without whisper-normalizer here `wer` is null;
+compare_nemo.py computes the WER of both peers itself, in the project venv, from `texts` and
+`references`.
 """
 from __future__ import annotations
 
@@ -44,18 +46,19 @@ import os
 import sys
 import time
 
-WER_NORMALISATION = (
-    "NFKC, lower case, non-[letter/digit/apostrophe/space] -> space, "
-    "word-edge apostrophes dropped, whitespace collapsed"
-)
+WER_NORMALISATION = "OpenAI Whisper EnglishTextNormalizer (transcribe.bench.normalize_text)"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from transcribe.bench import edit_distance, normalize_text  # noqa: E402  (repo root on the path first)
+from transcribe.bench import edit_distance, normalized_pairs  # noqa: E402  (repo root on the path first)
 
 
 def corpus_wer(refs: list, hyps: list):
-    """(WER, reference words) after normalisation; (None, 0) without references."""
-    pairs = [(normalize_text(r), normalize_text(h)) for r, h in zip(refs, hyps) if r is not None]
-    pairs = [(r, h) for r, h in pairs if r]
+    """(WER, reference words) after normalisation; (None, 0) without references, or without
+    whisper-normalizer in this venv (compare_nemo.py computes it in the project venv then)."""
+    kept = [(r, h) for r, h in zip(refs, hyps) if r is not None]
+    try:
+        pairs = normalized_pairs([r for r, _ in kept], [h for _, h in kept])
+    except ImportError:
+        return None, 0
     if not pairs:
         return None, 0
     n_words = sum(len(r.split()) for r, _ in pairs)
@@ -213,6 +216,7 @@ def main() -> int:
         "wer_words": n_words,
         "wer_normalisation": WER_NORMALISATION,
         "texts": texts,
+        "references": refs,
     }
     if a.json_out:
         d = os.path.dirname(os.path.abspath(a.json_out))

@@ -1,29 +1,43 @@
 """Bench: RTFx, per-stage seconds, peak memory and WER for `transcribe bench`.
 
-WER normalisation (applied to hypothesis and reference alike): Unicode NFKC, lower case,
-every character that is not a letter, digit, apostrophe or space becomes a space, apostrophes
-at word edges are dropped, whitespace collapsed. Numbers are not spelled out. This is the
-LibriSpeech convention (its references are upper case without punctuation).
+WER normalisation, applied to hypothesis and reference alike: OpenAI Whisper's
+`EnglishTextNormalizer` (the Whisper paper's; the Open ASR Leaderboard normalises with a copy
+of it), so that our WERs compare with published ones. It lower-cases; drops bracketed text,
+the fillers uh/um/hmm/mm and punctuation; expands contractions and titles ("it's" -> "it is",
+"Mr." -> "mister"); writes spelled numbers and currencies as digits ("ten dollars" -> "$10");
+and maps British to American spelling ("colour" -> "color"). The earlier home-made rules (lower
+case and punctuation removal only) counted "Mr."/"mister" and "10"/"ten" as errors: WERs quoted
+from before this change were measured with them.
 """
 from __future__ import annotations
 
+import functools
 import json
 import platform
-import re
 import resource
 import sys
-import unicodedata
 from pathlib import Path
 
-_NON_WORD = re.compile(r"[^\w' ]+")
-_EDGE_APOS = re.compile(r"(^|\s)'+|'+(\s|$)")
+# whisper-normalizer 0.1.15 adds these four replacements to OpenAI's list ("the cause" would
+# become "the because"); without them it equals openai-whisper's normaliser on every string.
+_NOT_OPENAI = (r"\bkinda\b", r"\bsorta\b", r"\bdunno\b", r"\bcause\b")
+
+
+@functools.lru_cache(maxsize=1)
+def _english_normalizer():
+    """Built once: it reads a JSON spelling map. Imported here, not at module level, because the
+    NeMo and faster-whisper peer venvs import this module with the standard library only."""
+    from whisper_normalizer.english import EnglishTextNormalizer
+
+    norm = EnglishTextNormalizer()
+    for pattern in _NOT_OPENAI:
+        norm.replacers.pop(pattern, None)
+    return norm
 
 
 def normalize_text(text: str) -> str:
-    t = unicodedata.normalize("NFKC", text).lower().replace("_", " ")
-    t = _NON_WORD.sub(" ", t)
-    t = _EDGE_APOS.sub(r"\1 \2", t)
-    return " ".join(t.split())
+    """OpenAI's English normalisation (see the module docstring), edge spaces stripped."""
+    return " ".join(_english_normalizer()(text).split())
 
 
 def edit_distance(a: list, b: list) -> int:
@@ -37,12 +51,19 @@ def edit_distance(a: list, b: list) -> int:
     return d[-1]
 
 
+def normalized_pairs(references: list[str], hypotheses: list[str]) -> list[tuple[str, str]]:
+    """(reference, hypothesis) pairs after `normalize_text`, without the references that have no
+    letter or digit left: OpenAI's normaliser keeps a lone "." of an ellipsis ("..." -> "."),
+    which is no word to recognise. Shared with bench/nemo_peer.py so both peers skip alike."""
+    pairs = [(normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses)]
+    return [(r, h) for r, h in pairs if any(c.isalnum() for c in r)]
+
+
 def wer(references: list[str], hypotheses: list[str]) -> float | None:
-    """Corpus WER (total edits / total reference words) after `normalize_text`; None if empty."""
+    """Corpus WER (total edits / total reference words) over `normalized_pairs`; None if empty."""
     import jiwer
 
-    pairs = [(normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses)]
-    pairs = [(r, h) for r, h in pairs if r]
+    pairs = normalized_pairs(references, hypotheses)
     if not pairs:
         return None
     out = jiwer.process_words([r for r, _ in pairs], [h for _, h in pairs])
