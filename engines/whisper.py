@@ -188,8 +188,11 @@ class KVCache:
     variant the CUDA-graph modes use: written by a position tensor, attended through a mask.)
     """
 
-    def __init__(self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor):
+    def __init__(self, self_k: Tensor, self_v: Tensor, cross_k: Tensor, cross_v: Tensor, group: int = 1):
+        """group: consecutive rows that share one cross K/V row (the fallback's samples of one
+        window): their queries attend together, so the audio is stored and read once."""
         self.self_k, self.self_v, self.cross_k, self.cross_v = self_k, self_v, cross_k, cross_v
+        self.group = group
         self.length = 0  # positions filled so far, shared by all live rows
 
     def update(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -205,12 +208,15 @@ class KVCache:
         return self.self_k[i, :n, :start + t], self.self_v[i, :n, :start + t], mask
 
     def cross(self, i: int, n: int) -> tuple[Tensor, Tensor]:
-        return self.cross_k[i, :n], self.cross_v[i, :n]
+        rows = n // self.group
+        return self.cross_k[i, :rows], self.cross_v[i, :rows]
 
     def keep(self, perm: list[int], n: int) -> None:
         """Rows perm[:n] (live, ascending) continue as rows 0..n-1. The cross K/V rows are
         permuted whole (new row i = old row perm[i]) so finished windows' audio stays for the word
         alignment; self K/V only need the live rows. Rows already in place are not copied."""
+        if self.group != 1:
+            raise ValueError("rows that share cross K/V (group > 1) cannot be compacted")
         permute_rows(self.cross_k, perm, 1)
         permute_rows(self.cross_v, perm, 1)
         permute_rows(self.self_k[:, :, :self.length], perm[:n], 1)
@@ -234,9 +240,14 @@ class CrossAttention(nn.Module):
         self.q, self.kv, self.out = Linear(d, d), Linear(d, 2 * d), Linear(d, d)
 
     def forward(self, x: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """x: [n, T, d]; k, v: [n, H, T_audio, d/H] (see KVCache)."""
-        y = F.scaled_dot_product_attention(_heads(self.q(x), self.n_head), k, v)
-        return self.out(_merge(y))
+        """x: [n, T, d]; k, v: [n / g, H, T_audio, d/H] (see KVCache): each g consecutive rows of
+        x share one row of k, v, and attend as one row of g * T queries (each query attends on
+        its own, so this is exact)."""
+        n, t, d = x.shape
+        g = n // k.shape[0]
+        q = self.q(x).reshape(n // g, g * t, d) if g > 1 else self.q(x)
+        y = _merge(F.scaled_dot_product_attention(_heads(q, self.n_head), k, v))
+        return self.out(y.reshape(n, t, d) if g > 1 else y)
 
 
 class DecoderLayer(nn.Module):

@@ -1,20 +1,19 @@
-"""Batched greedy decoding for Whisper with OpenAI's logit rules (API: `whisper_engine`).
+"""Batched decoding for Whisper with OpenAI's logit rules (API: `whisper_engine`).
 
 One batch = up to `batch_size` windows (<= 30 s each): the encoder runs once on all of them,
 cross-attention K/V are projected once, and the decoder advances every live window by one token
-per step, filtered by `whisper_rules.Rules` (OpenAI `decoding.py` at temperature 0). Per window
-we also compute OpenAI's no-speech probability and zlib compression ratio; loops (ratio > 2.4)
-are cut early and their repeated tail dropped, since with temperature 0 only there is no
-fallback decode to switch to.
+per step, filtered by `whisper_rules.Rules` (OpenAI `decoding.py`), greedily. Per window we also
+compute OpenAI's no-speech probability and zlib compression ratio; loops (ratio > 2.4) are cut
+early. Windows that loop or come out unlikely are then sampled at rising temperatures
+(`whisper_fallback`); a loop nothing replaced keeps its first copy of the repeated tail.
 
 Two loops share the rules, the host bookkeeping (`Progress`), the loop check and the results:
-`_greedy` (eager: reads every token back, compacts finished rows away) and `_chunked` (the
-CUDA-graph modes of `whisper_graph.py`: `loop_check_every` steps on the device between host
-reads, the loop check at the same steps as eager).
+`token_loop` (eager: reads every token back, compacts finished rows away; also the fallback's
+sampling loop) and `_chunked` (the CUDA-graph modes of `whisper_graph.py`: `loop_check_every`
+steps on the device between host reads, the loop check at the same steps as eager).
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,7 +24,9 @@ from engines.decode_graphs import DecodeMode
 from engines.whisper import KVCache, Whisper
 from engines.whisper_alignment import Aligner
 from engines.whisper_alignment import alignment_heads as default_alignment_heads
+from engines.whisper_fallback import Fallback, Sampler
 from engines.whisper_graph import Runner, WhisperGraphs
+from engines.whisper_progress import Progress, compression_ratio, trim_repetition
 from engines.whisper_rules import RuleState, Rules
 from engines.whisper_static import StaticDecoding
 from engines.whisper_tokenizer import WhisperTokenizer
@@ -34,7 +35,7 @@ from engines.whisper_words import WindowSegment, split_segments, window_words
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """Greedy decoding settings (OpenAI / faster-whisper defaults)."""
+    """Decoding settings (OpenAI / faster-whisper defaults)."""
 
     language: str | None = "en"
     timestamps: bool = True
@@ -44,6 +45,10 @@ class DecodeOptions:
     compression_ratio_threshold: float | None = 2.4
     no_speech_threshold: float | None = 0.6
     logprob_threshold: float | None = -1.0
+    # Greedy first (the batched pass); windows that fail the thresholds above are sampled at
+    # the later temperatures, best_of samples each (`whisper_fallback`). (0.0,): greedy only.
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    best_of: int = 5
     loop_check_every: int = 16  # steps between repetition checks (the graph modes' steps per host read)
     # Token steps are many tiny ops; on a busy few-core CPU, OpenMP workers waiting on each
     # other cost more than they save (measured 8x slower per step with 2 threads under load).
@@ -58,6 +63,11 @@ class DecodeOptions:
             raise ValueError(f"decoder_threads must be >= 1 or None, got {self.decoder_threads!r}")
         if self.loop_check_every < 1:
             raise ValueError(f"loop_check_every must be >= 1, got {self.loop_check_every!r}")
+        t = self.temperatures
+        if not t or t[0] != 0 or any(not 0 < x <= 2 for x in t[1:]):
+            raise ValueError(f"temperatures must start with 0.0, then values in (0, 2], got {t!r}")
+        if self.best_of < 1:
+            raise ValueError(f"best_of must be >= 1, got {self.best_of!r}")
 
 
 @dataclass(frozen=True)
@@ -75,70 +85,13 @@ class WindowResult:
     looped: bool
     token_logprobs: tuple[float, ...] = ()
     words: tuple[tuple[float, float, str, float], ...] = ()
-
-
-def compression_ratio(text: str) -> float:
-    """len(utf-8) / len(zlib(utf-8)); repetitive (looping) text compresses far better."""
-    data = text.encode("utf-8")
-    return len(data) / len(zlib.compress(data)) if data else 0.0
-
-
-def trim_repetition(tokens: list[int], max_period: int = 64) -> list[int]:
-    """Drop a tail that repeats one block >= 3 times, keeping its first copy."""
-    n = len(tokens)
-    for p in range(1, min(max_period, n // 3) + 1):
-        r = 1
-        while (r + 1) * p <= n and tokens[n - (r + 1) * p:n - r * p] == tokens[n - p:]:
-            r += 1
-        if r >= 3:
-            return tokens[:n - (r - 1) * p]
-    return tokens
-
-
-class Progress:
-    """The host's view of one batch: buffer row -> live window (`rows`, -1 once finished),
-    buffer row -> window whose audio (cross K/V) it holds (`order`, -1: padding), each window's
-    tokens, their log-probabilities and sum, and whether a repetition loop cut it."""
-
-    def __init__(self, n: int, rows: int | None = None):
-        self.rows = list(range(n)) + [-1] * ((rows or n) - n)  # extra rows: padding, never live
-        self.order = list(self.rows)
-        self.out: list[list[int]] = [[] for _ in range(n)]
-        self.lps: list[list[float]] = [[] for _ in range(n)]
-        self.sum_lp, self.looped = [0.0] * n, [False] * n
-
-    def record(self, tokens: list[list[int]], logprobs: list[list[float]], eot: int) -> None:
-        """Steps of tokens and log-probabilities, [step][buffer row], onto the live windows."""
-        for step_tokens, step_lps in zip(tokens, logprobs):
-            for r, (t, lp) in enumerate(zip(step_tokens, step_lps)):
-                w = self.rows[r]
-                if w < 0:
-                    continue
-                self.sum_lp[w] += lp  # OpenAI counts the <|endoftext|> logprob too
-                if t == eot:
-                    self.rows[r] = -1
-                else:
-                    self.out[w].append(t)
-                    self.lps[w].append(lp)
-
-    def live(self) -> list[int]:
-        return [r for r, w in enumerate(self.rows) if w >= 0]
-
-    def keep(self, live: list[int], width: int) -> list[int]:
-        """The live rows (ascending) move to the front, `width` rows stay in use; the others
-        follow them in order, so every window's audio stays in the caches for the word
-        alignment. -> the permutation: new row i holds old row perm[i] (len(order) rows)."""
-        moved = set(live)
-        perm = live + [r for r in range(len(self.order)) if r not in moved]
-        self.order = [self.order[r] for r in perm]
-        self.rows = [self.rows[r] for r in live] + [-1] * (width - len(live))
-        return perm
+    temperature: float = 0.0  # > 0: the temperature fallback's sample (`whisper_fallback`)
 
 
 class GreedyDecoder:
-    """Batched temperature-0 decoding of mel windows with a Whisper model.
+    """Batched decoding of mel windows with a Whisper model: greedy, then the fallback.
 
-    The token loop runs eagerly (`_greedy`, the default) or, after `set_mode`, in one of the
+    The greedy token loop runs eagerly (`_greedy`, the default) or, after `set_mode`, in one of the
     CUDA-graph modes of `whisper_graph.py` over the same rules, progress and result code."""
 
     def __init__(self, model: Whisper, tokenizer: WhisperTokenizer, options: DecodeOptions = DecodeOptions(),
@@ -153,6 +106,7 @@ class GreedyDecoder:
         self.prompt = tokenizer.sot_sequence(options.language, options.timestamps)
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
+        self.fallback = Fallback(self)
         heads = alignment_heads or default_alignment_heads(model.dims, None)
         self.aligner = Aligner(model.decoder, heads, tokenizer.sot_sequence(options.language, timestamps=False),
                                tokenizer.eot)
@@ -189,11 +143,17 @@ class GreedyDecoder:
         if self.graphs.mode is not DecodeMode.EAGER:
             built = self.graphs.ready(audio.shape[0])  # None once a failed capture fell back to eager
             if built is not None:
-                static = built[0]
                 results, order = self._chunked(audio, *built)
-                return self.add_words(results, static.cross_k, static.cross_v, order, frames) if words else results
+                return self.finish(results, built[0].cross_k, built[0].cross_v, order, frames, words)
         results, cache, order = self._greedy(audio)
-        return self.add_words(results, cache.cross_k, cache.cross_v, order, frames) if words else results
+        return self.finish(results, cache.cross_k, cache.cross_v, order, frames, words)
+
+    def finish(self, results: list[WindowResult], cross_k: Tensor, cross_v: Tensor, order: list[int],
+               frames: list[int], words: bool) -> list[WindowResult]:
+        """The greedy results -> after the temperature fallback, and with word times when
+        `words`; both read the audio from the cross K/V rows (`add_words` for the layout)."""
+        results = self.fallback.redecode(results, cross_k, cross_v, order)
+        return self.add_words(results, cross_k, cross_v, order, frames) if words else results
 
     def start(self, cache: KVCache, n: int) -> tuple[Tensor, Tensor]:
         """Run the prompt for n windows into `cache` (cross K/V already there) -> the first
@@ -208,26 +168,32 @@ class GreedyDecoder:
     def _greedy(self, audio: Tensor) -> tuple[list[WindowResult], KVCache, list[int]]:
         """audio: encoder states [B, n_audio_ctx, d] -> (results, the cache, the window whose
         cross K/V each cache row holds). Cross K/V are projected once."""
-        b = audio.shape[0]
         cache = self.model.decoder.new_cache(audio, self.opts.max_length)
-        del audio
-        logits, no_speech = self.start(cache, b)
-        state, progress = RuleState.new(b, self.device), Progress(b)
+        progress, no_speech = self.token_loop(cache, audio.shape[0])
+        return self.results(progress, no_speech), cache, progress.order
+
+    def token_loop(self, cache: KVCache, n: int, sampler: Sampler | None = None) -> tuple[Progress, Tensor]:
+        """The eager token loop over n rows of `cache` (cross K/V filled): greedy, or with
+        `sampler` drawing each token at a temperature.
+        -> (progress, no-speech probabilities)."""
+        logits, no_speech = self.start(cache, n)
+        state, progress = RuleState.new(n, self.device), Progress(n)
         with decoder_threads(self.device, self.opts.decoder_threads):
             for step in range(self.n_steps):
-                nxt, lp = self.rules.next_token(logits, state)
+                nxt, lp = self.rules.next_token(logits, state, sampler)
                 progress.record([nxt.tolist()], [lp.tolist()], self.tok.eot)  # one host sync per token
                 if (step + 1) % self.opts.loop_check_every == 0:
                     self.stop_loops(progress)
                 live = progress.live()
                 if not live or step + 1 == self.n_steps:
                     break
-                if len(live) <= 0.75 * len(progress.rows):  # compact: finished rows stop costing compute
+                # Compact: finished rows stop costing compute (not rows that share their audio).
+                if len(live) <= 0.75 * len(progress.rows) and cache.group == 1:
                     cache.keep(progress.keep(live, len(live)), len(live))
                     keep = torch.tensor(live, device=self.device)
                     state, nxt = state.select(keep), nxt[keep]
                 logits = self.model.decoder(nxt[:, None], cache)[:, 0]
-        return self.results(progress, no_speech), cache, progress.order
+        return progress, no_speech
 
     def _chunked(self, audio: Tensor, static: StaticDecoding, runner: Runner) -> tuple[list[WindowResult], list[int]]:
         """The graph modes' loop: `runner.steps` steps on the device per chunk, then one host
@@ -267,11 +233,13 @@ class GreedyDecoder:
         return cut
 
     def results(self, progress: Progress, no_speech: Tensor) -> list[WindowResult]:
-        return [self._result(out, lps, sum_lp, float(ns), looped) for out, lps, sum_lp, ns, looped
+        return [self.window_result(out, lps, sum_lp, float(ns), looped) for out, lps, sum_lp, ns, looped
                 in zip(progress.out, progress.lps, progress.sum_lp, no_speech, progress.looped)]
 
-    def _result(self, tokens: list[int], lps: list[float], sum_lp: float, no_speech: float,
-                looped: bool) -> WindowResult:
+    def window_result(self, tokens: list[int], lps: list[float], sum_lp: float, no_speech: float,
+                      looped: bool, temperature: float = 0.0) -> WindowResult:
+        """One window's decoded tokens and their log-probabilities -> its WindowResult (text,
+        segments; a loop's repeated tail trimmed; empty when it is silence)."""
         tok, opts = self.tok, self.opts
         avg_lp = sum_lp / (len(tokens) + 1)
         text = tok.decode(tokens)
@@ -283,9 +251,9 @@ class GreedyDecoder:
         silent = (opts.no_speech_threshold is not None and no_speech > opts.no_speech_threshold
                   and not (opts.logprob_threshold is not None and avg_lp > opts.logprob_threshold))
         if silent:
-            return WindowResult("", (), tuple(tokens), avg_lp, no_speech, ratio, looped, lps)
+            return WindowResult("", (), tuple(tokens), avg_lp, no_speech, ratio, looped, lps, temperature=temperature)
         return WindowResult(text.strip(), self._segments(split_segments(tokens, tok)), tuple(tokens), avg_lp,
-                            no_speech, ratio, looped, lps)
+                            no_speech, ratio, looped, lps, temperature=temperature)
 
     def _segments(self, segments: list[WindowSegment]) -> tuple[tuple[float, float, str], ...]:
         """(start, end, text) of the segments with text."""

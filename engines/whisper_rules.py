@@ -1,4 +1,4 @@
-"""OpenAI's logit rules for Whisper at temperature 0, as fixed-shape tensor ops.
+"""OpenAI's logit rules for Whisper, as fixed-shape tensor ops.
 
 suppress_tokens "-1" (non-speech symbols + control tokens), suppress_blank at the first step,
 and ApplyTimestampRules: timestamps in pairs, non-decreasing, the initial timestamp <= 1 s,
@@ -19,6 +19,7 @@ from engines.whisper_tokenizer import TIME_PRECISION, WhisperTokenizer
 
 if TYPE_CHECKING:
     from engines.whisper_decoding import DecodeOptions
+    from engines.whisper_fallback import Sampler
 
 NEG_INF = float("-inf")
 
@@ -102,11 +103,12 @@ class Rules:
         s.ts_last.copy_(torch.where(is_ts, nxt - self.ts0, s.ts_last))
         s.first.fill_(False)
 
-    def next_token(self, logits: Tensor, s: RuleState) -> tuple[Tensor, Tensor]:
-        """One greedy step: filter `logits` [n, V] in place, take the argmax, its log-probability
-        (filtered logit - logsumexp of the filtered row), and advance the state."""
+    def next_token(self, logits: Tensor, s: RuleState, sampler: Sampler | None = None) -> tuple[Tensor, Tensor]:
+        """One step: filter `logits` [n, V] in place, take the argmax (or `sampler`'s draw), its
+        log-probability (filtered logit - logsumexp of the filtered row, at temperature 1 as
+        OpenAI scores samples too), and advance the state."""
         self.apply(logits, s)
-        nxt = logits.argmax(-1)
+        nxt = logits.argmax(-1) if sampler is None else sampler.draw(logits)
         lp = logits.gather(1, nxt[:, None])[:, 0] - logits.logsumexp(-1)
         self.update(nxt, s)
         return nxt, lp

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engines.whisper_decoding import DecodeOptions, GreedyDecoder, compression_ratio, trim_repetition
+from engines.whisper_decoding import DecodeOptions, GreedyDecoder
+from engines.whisper_progress import compression_ratio, trim_repetition
 from engines.whisper_rules import RuleState, Rules
 from engines.whisper_tokenizer import WhisperTokenizer, load_tokenizer
 from engines.whisper_weights import WhisperWeightsError, bundled_base_dir

@@ -24,14 +24,18 @@ N_WINDOWS, AUDIO_SEED = 8, 4
 EOT = random_vocab().eot
 # Each ends windows differently; in all of them some windows finish within the first chunks, so
 # the static path moves the live rows to smaller buckets (eager compacts on its own schedule).
+# These compare the greedy pass (the graph modes' part): no temperature fallback
+# (test_whisper_fallback.py covers it, in every mode).
+GREEDY = (0.0,)
 CONFIGS = {
-    "timestamps": DecodeOptions(max_length=120),  # <|endoftext|> and max_length; timestamp rules
-    "text-max-length": DecodeOptions(timestamps=False, max_length=40),  # 36 steps: ends mid-chunk
-    "loop-cut": DecodeOptions(compression_ratio_threshold=1.3, loop_check_every=8, max_length=120),
+    "timestamps": DecodeOptions(max_length=120, temperatures=GREEDY),  # <|endoftext|>, max_length; timestamp rules
+    "text-max-length": DecodeOptions(timestamps=False, max_length=40, temperatures=GREEDY),  # 36 steps: ends mid-chunk
+    "loop-cut": DecodeOptions(compression_ratio_threshold=1.3, loop_check_every=8, max_length=120, temperatures=GREEDY),
     # full-graph: one chunk, the while node runs until every row has finished
-    "no-loop-check": DecodeOptions(compression_ratio_threshold=None, loop_check_every=4, max_length=80),
+    "no-loop-check": DecodeOptions(compression_ratio_threshold=None, loop_check_every=4, max_length=80,
+                                   temperatures=GREEDY),
 }
-GPU_CONFIGS = {"default": DecodeOptions(), **CONFIGS}  # all 445 steps, on the GPU only (slow on a CPU)
+GPU_CONFIGS = {"default": DecodeOptions(temperatures=GREEDY), **CONFIGS}  # all 445 steps, on the GPU only (slow on a CPU)
 # Where eager's top-2 margin (after the rules) is below EPS, the graph path may pick the other
 # token, and from there that window goes its own way: it computes each step with other kernels
 # (attention over all 448 positions through a mask, other batch sizes), so its logits differ in
@@ -219,7 +223,8 @@ def test_gpu_random_model_full_graph_capture_failure_falls_back_to_unrolled(monk
 
     monkeypatch.setattr(cuda_conditional.WhileLoops, "while_loop", broken_while_loop)
     m = model("cuda", torch.float32)
-    dec, opts = random_decoder(m, DecodeOptions()), DecodeOptions()
+    opts = DecodeOptions(temperatures=GREEDY)
+    dec = random_decoder(m, opts)
     assert dec.set_mode("auto") == "full-graph"
     audio = windows(torch.float32, "cuda")[:3]
     with torch.inference_mode():

@@ -25,7 +25,8 @@ import torch
 
 from engines import whisper_decoding
 from engines.whisper import Whisper, WhisperDims, build_whisper
-from engines.whisper_decoding import DecodeOptions, GreedyDecoder, Progress, WindowResult
+from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
+from engines.whisper_progress import Progress
 from engines.whisper_tokenizer import WhisperTokenizer
 
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", "<|en|>", "<|de|>", "<|translate|>", "<|transcribe|>",
@@ -165,7 +166,8 @@ def _recording_margins(dec: GreedyDecoder) -> Iterator[list[list[float]]]:
     pending: list[float] = []
     next_token = dec.rules.next_token
 
-    def recording(logits: torch.Tensor, state):
+    def recording(logits: torch.Tensor, state, sampler=None):
+        assert sampler is None, "margins are recorded for the greedy pass (temperatures=(0.0,))"
         out = next_token(logits, state)
         top = logits.topk(2, dim=-1).values.float()
         pending[:] = (top[:, 0] - top[:, 1]).tolist()  # inf when the rules left one token
