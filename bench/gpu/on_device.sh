@@ -44,6 +44,7 @@ case "${1:-tests}" in
       tests/test_stream_attention_triton.py tests/test_encoder_backends.py tests/test_decoding.py \
       tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
       tests/test_encoder_precision.py tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
+      tests/test_whisper_fallback.py \
       2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   bench)
