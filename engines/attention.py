@@ -73,18 +73,34 @@ def rel_shift(bd: Tensor) -> Tensor:
     return bd.as_strided((b, h, t, t), (s0, s1, s2 - 1, 1), bd.storage_offset() + n // 2)
 
 
-def position_scores(q_v: Tensor, p: Tensor, onednn: bool) -> Tensor:
+def position_scores(q_v: Tensor, p: Tensor) -> Tensor:
     """(q_i + v) . p(r) for every query and relative position: q_v [B, T, H, d_k], p [2T-1, H, d_k]
-    -> [B, H, T, 2T-1] (a permuted view). One GEMM per head over all B*T rows: no broadcast
-    copy of p per batch row, and with `onednn` (CPU fp32) oneDNN's GEMM, ~1.5x MKL's here."""
+    -> [B, H, T, 2T-1] (a permuted view). One GEMM over all B*T rows per head: no broadcast copy
+    of p per batch row. (The CPU's oneDNN path is `shifted_position_scores`.)"""
     b, t, h, d_k = q_v.shape
     q = q_v.permute(2, 0, 1, 3).reshape(h, b * t, d_k)
-    if onednn:
-        pc = p.transpose(0, 1).contiguous()  # oneDNN is fast only on a contiguous [N, K] weight
-        s = torch.stack([torch.ops.mkldnn._linear_pointwise(q[i], pc[i], None, "none", [], "") for i in range(h)])
-    else:
-        s = torch.bmm(q, p.permute(1, 2, 0))
+    s = torch.bmm(q, p.permute(1, 2, 0))
     return s.view(h, b, t, -1).transpose(0, 1)
+
+
+def shifted_position_scores(q_v: Tensor, p: Tensor, mask: Tensor | None) -> Tensor:
+    """`rel_shift(position_scores(q_v, p)) + mask` on the CPU with oneDNN's GEMM (~1.5x MKL's
+    here), one head at a time: each head's [B*T, 2T-1] scores are shifted (a view) and added to
+    the mask straight into that head's slice of the [B, H, T, T] result, so the [B, H, T, 2T-1]
+    scores are never stacked (that copy, and the mask's add over the whole, cost ~10 % of the
+    bf16 encoder)."""
+    b, t, h, d_k = q_v.shape
+    q = q_v.permute(2, 0, 1, 3).reshape(h, b * t, d_k)
+    pc = p.transpose(0, 1).contiguous()  # oneDNN is fast only on a contiguous [N, K] weight
+    out = q_v.new_empty(b, h, t, t)
+    for i in range(h):
+        s = torch.ops.mkldnn._linear_pointwise(q[i], pc[i], None, "none", [], "")
+        shifted = rel_shift(s.view(b, 1, t, 2 * t - 1))[:, 0]
+        if mask is None:
+            out[:, i].copy_(shifted)
+        else:
+            torch.add(shifted, mask[:, 0], out=out[:, i])
+    return out
 
 
 def rel_shift_export(bd: Tensor) -> Tensor:
@@ -130,12 +146,18 @@ class RelPositionMultiHeadAttention(nn.Module):
         # SDPA scales q.k itself; the mask is added unscaled, so scale the position term here
         # (on q: T*d_k multiplies instead of T*T).
         q_v = (q + self.pos_bias_v) * scale
+        bd = self.position_term(q_v, p, mask)
+        out = nn.functional.scaled_dot_product_attention(q_u, k, v, attn_mask=bd)
+        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))
+
+    def position_term(self, q_v: Tensor, p: Tensor, mask: Tensor | None) -> Tensor:
+        """q_v [B, T, H, d_k], p [1, 2T-1, D] -> SDPA's additive mask [B, H, T, T]: the scaled
+        position scores by relative position i - j, plus `mask`."""
         if self.export_mode:
             p = p.view(1, -1, self.h, self.d_k).permute(0, 2, 3, 1)  # [1, H, d_k, 2T-1]
             bd = rel_shift_export(torch.matmul(q_v.transpose(1, 2), p))
+        elif self.onednn:
+            return shifted_position_scores(q_v, p.view(-1, self.h, self.d_k), mask)
         else:
-            bd = rel_shift(position_scores(q_v, p.view(-1, self.h, self.d_k), self.onednn))
-        if mask is not None:
-            bd = bd + mask
-        out = nn.functional.scaled_dot_product_attention(q_u, k, v, attn_mask=bd)
-        return self.linear_out(out.transpose(1, 2).reshape(b, t, self.h * self.d_k))
+            bd = rel_shift(position_scores(q_v, p.view(-1, self.h, self.d_k)))
+        return bd if mask is None else bd + mask

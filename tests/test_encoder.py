@@ -284,3 +284,26 @@ def test_parakeet_0_6b_builds_with_checkpoint_shapes():
     want = {k[len("encoder."):]: v[0] for k, v in shapes.items() if k.startswith("encoder.")}
     got = {k: list(v.shape) for k, v in enc.state_dict().items()}
     assert got == want
+
+
+@pytest.mark.parametrize("mask_rows", [None, 1, 3])
+def test_shifted_position_scores_equal_shift_of_position_scores_plus_mask(mask_rows):
+    """The CPU oneDNN path (per head, shifted and masked straight into the result) against the
+    plain path: rel_shift(bmm scores) + mask."""
+    from engines.attention import position_scores, shifted_position_scores
+    from engines.fast_linear import onednn_linear_available
+
+    if not onednn_linear_available(torch.float32):
+        pytest.skip("this torch build has no oneDNN packed linear")
+    g = torch.Generator().manual_seed(0)
+    b, t, h, d_k = 3, 37, 4, 16
+    q, p = torch.randn(b, t, h, d_k, generator=g), torch.randn(2 * t - 1, h, d_k, generator=g)
+    mask = None
+    if mask_rows:
+        mask = torch.zeros(mask_rows, 1, t, t)
+        mask[-1, :, :, 30:] = -10000.0
+    want = rel_shift(position_scores(q, p))
+    want = want if mask is None else want + mask
+    got = shifted_position_scores(q, p, mask)
+    assert got.shape == (b, h, t, t) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
