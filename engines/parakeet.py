@@ -64,7 +64,7 @@ class LogMelFrontend:
         self.cfg, self.window, self.fb = cfg, window, fb
         self.sample_rate = cfg.sample_rate
         self.n_mels = cfg.features
-        self.max_piece_seconds = max_piece_seconds
+        self.max_piece_seconds = self.cut_seconds = max_piece_seconds  # longer files: pieces of the same
         self.max_frames = self.frames(int(max_piece_seconds * cfg.sample_rate))
         self._logmel: LogMel | None = None
 

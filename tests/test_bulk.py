@@ -169,7 +169,7 @@ class FaultyFrontend:
 
     def __init__(self, inner):
         self.inner = inner
-        for k in ("sample_rate", "n_mels", "max_piece_seconds", "max_frames"):
+        for k in ("sample_rate", "n_mels", "max_piece_seconds", "cut_seconds", "max_frames"):
             setattr(self, k, getattr(inner, k))
 
     def __call__(self, audio):

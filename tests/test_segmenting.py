@@ -1,8 +1,9 @@
 """Cutting long audio at pauses, and stitching piece results back with file times."""
 import numpy as np
+import pytest
 
 from transcribe.results import Result, Segment, Word
-from transcribe.segmenting import split_long
+from transcribe.segmenting import PieceCutter, split_long
 from transcribe.stitching import stitch
 
 
@@ -20,6 +21,36 @@ def test_long_audio_is_cut_in_the_pause():
     assert 8.5 <= pieces[1][0] <= 9.0
     assert all(len(p) <= 10 * sr for _, p in pieces)
     assert np.array_equal(np.concatenate([p for _, p in pieces]), a)  # nothing lost or repeated
+
+
+@pytest.mark.parametrize("seconds", [12.0, 29.5, 30.0])
+def test_a_file_that_fits_max_seconds_stays_whole_whatever_cut_seconds(seconds):
+    a = np.random.default_rng(1).standard_normal(int(seconds * 16000)).astype(np.float32)
+    assert [(o, len(p)) for o, p in split_long(a, 16000, 30.0, cut_seconds=10.0)] == [(0.0, len(a))]
+
+
+@pytest.mark.parametrize("seconds", [30.5, 31.2, 47.0, 95.0])
+def test_longer_files_are_tiled_with_pieces_of_cut_seconds(seconds):
+    sr = 16000
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(int(seconds * sr)).astype(np.float32)
+    for t in np.arange(6.0, seconds, 7.0):  # pauses every 7 s
+        a[int(t * sr):int((t + 0.4) * sr)] = 0.0
+    pieces = split_long(a, sr, 30.0, cut_seconds=20.0)
+    assert len(pieces) >= 2 and all(len(p) <= 20 * sr for _, p in pieces)
+    assert np.array_equal(np.concatenate([p for _, p in pieces]), a)  # nothing lost or repeated
+    assert [o for o, _ in pieces] == [0.0] + list(np.cumsum([len(p) for _, p in pieces[:-1]]) / sr)
+    # The workers' streaming cutter (2 s blocks) cuts exactly where the one-shot split does.
+    cutter, streamed = PieceCutter(sr, 30.0, cut_seconds=20.0), []
+    for i in range(0, len(a), 2 * sr):
+        streamed += cutter.push(a[i:i + 2 * sr])
+    streamed += cutter.finish()
+    assert [(o / sr, len(p)) for o, p in streamed] == [(o, len(p)) for o, p in pieces]
+
+
+def test_cut_seconds_may_not_exceed_max_seconds():
+    with pytest.raises(ValueError, match="cut_seconds"):
+        PieceCutter(16000, 20.0, cut_seconds=30.0)
 
 
 def test_stitch_moves_times_by_offsets():

@@ -26,7 +26,7 @@ class ToyFrontend:
 
     sample_rate = SR
     n_mels = 2
-    max_piece_seconds = 4.0
+    max_piece_seconds = cut_seconds = 4.0
     max_frames = int(4.0 * SR) // 160
 
     def __call__(self, audio: np.ndarray) -> np.ndarray:
@@ -106,6 +106,23 @@ def test_pool_preprocesses_files_and_fails_crashes_hangs_and_errors_alone(tmp_pa
     assert set(first) - set(later)  # crashed and hung workers were replaced
     time.sleep(0.2)
     assert not _children_alive(first + later) and slab_name not in our_segments()
+
+
+class ShortCutFrontend(ToyFrontend):
+    cut_seconds = 2.0  # a file of up to 4 s whole, longer ones in pieces of <= 2 s (as Whisper's 30 / 20 s)
+
+
+def test_workers_cut_longer_files_at_the_frontends_cut_seconds(tmp_path):
+    files = [_wav(tmp_path / "whole.wav", int(3.9 * SR), 1), _wav(tmp_path / "cut.wav", int(5.0 * SR), 2)]
+    fe = ShortCutFrontend()
+    with Slab.create(8, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
+        for fid, p in enumerate(files):
+            pool.submit(fid, str(p))
+        pieces, ends = _collect(pool, len(files), slab)
+    assert [e[0] for e in ends.values()] == ["done", "done"]
+    assert [p.samples for p, _ in pieces[0]] == [int(3.9 * SR)]
+    cut = sorted(p.samples for p, _ in pieces[1])
+    assert len(cut) >= 3 and cut[-1] <= 2 * SR and sum(cut) == 5 * SR
 
 
 def test_workers_block_when_the_slab_is_full(tmp_path):

@@ -33,8 +33,8 @@ class AudioFrontend:
 
     def __init__(self, sample_rate: int, max_piece_seconds: float):
         self.sample_rate = sample_rate
-        self.max_piece_seconds = max_piece_seconds
-        self.max_frames = int(max_piece_seconds * sample_rate)  # = segmenting.PieceCutter.max_len
+        self.max_piece_seconds = self.cut_seconds = max_piece_seconds  # longer files: pieces of the same
+        self.max_frames = int(max_piece_seconds * sample_rate)  # = segmenting.PieceCutter.whole_len
 
     def __call__(self, audio: np.ndarray) -> np.ndarray:
         return np.asarray(audio, dtype=np.float32).reshape(1, -1)

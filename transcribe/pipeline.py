@@ -51,7 +51,8 @@ class Frontend(Protocol):
 
     sample_rate: int  # Hz the audio is resampled to
     n_mels: int
-    max_piece_seconds: float  # longer files are cut at pauses into pieces no longer than this
+    max_piece_seconds: float  # a file up to this long is one piece; longer files are cut at pauses
+    cut_seconds: float  # ... into pieces no longer than this (<= max_piece_seconds)
     max_frames: int  # F of the longest piece: the size of a slab slot is n_mels x max_frames
 
     def __call__(self, audio: np.ndarray) -> np.ndarray: ...  # float32 [T] -> float32 [n_mels, F]

@@ -114,7 +114,7 @@ def _one_file(conn, slab: Slab, frontend, fid: int, path: str) -> tuple:
 
 
 def _pieces(conn, slab: Slab, frontend, fid: int, stream: AudioStream, stages: dict) -> int:
-    cutter = PieceCutter(frontend.sample_rate, frontend.max_piece_seconds)
+    cutter = PieceCutter(frontend.sample_rate, frontend.max_piece_seconds, frontend.cut_seconds)
     blocks = stream.blocks()
     n = 0
     while True:

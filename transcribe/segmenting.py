@@ -8,6 +8,10 @@ model, few cuts) and the cut lands between sentences. A span without one non-spe
 cut at its quietest 100 ms. `PieceCutter` works on a stream of blocks, so a worker holds at
 most `max_seconds` plus one block of audio, whatever the file's length; files no longer than
 `max_seconds` are one piece and never reach the VAD.
+
+A model may tile longer files with shorter pieces (`cut_seconds` < `max_seconds`): Whisper takes
+a file of up to 30 s whole, but cuts longer ones into pieces of at most 20 s, with which it drops
+fewer words (see `engines/whisper_engine.PIECE_SECONDS`).
 """
 from __future__ import annotations
 
@@ -51,12 +55,16 @@ def choose_cut(audio: np.ndarray, sample_rate: int, lo: int, hi: int) -> int:
 
 
 class PieceCutter:
-    """Push blocks of samples, get back (offset in samples, piece) with every piece no longer
-    than `max_seconds`; `finish()` returns the rest at the end of the file."""
+    """Push blocks of samples, get back (offset in samples, piece): a file no longer than
+    `max_seconds` is one piece, a longer one is tiled with pieces of at most `cut_seconds`
+    (default: max_seconds); `finish()` returns the rest at the end of the file."""
 
-    def __init__(self, sample_rate: int, max_seconds: float):
+    def __init__(self, sample_rate: int, max_seconds: float, cut_seconds: float | None = None):
+        if cut_seconds is not None and cut_seconds > max_seconds:
+            raise ValueError(f"cut_seconds={cut_seconds} must not exceed max_seconds={max_seconds}")
         self.sample_rate = sample_rate
-        self.max_len = int(max_seconds * sample_rate)
+        self.whole_len = int(max_seconds * sample_rate)  # a file up to this long stays whole
+        self.max_len = int((cut_seconds or max_seconds) * sample_rate)
         self.min_tail = min(int(MIN_TAIL_SECONDS * sample_rate), self.max_len // 4)
         self.offset = 0  # file samples before the buffer
         self._blocks: list[np.ndarray] = []
@@ -66,14 +74,18 @@ class PieceCutter:
         self._blocks.append(block)
         self._n += block.shape[0]
         out = []
-        # Cut only once the file is known to go on for min_tail past a full piece.
-        while self._n >= self.max_len + self.min_tail:
+        # Cut only once the file is known to be longer than one whole piece, and to go on for
+        # min_tail past a full piece.
+        while self._longer_than_whole() and self._n >= self.max_len + self.min_tail:
             out.append(self._cut(int(self.max_len * (1 - SEARCH_FRACTION)), self.max_len))
         return out
 
+    def _longer_than_whole(self) -> bool:
+        return self.offset + self._n > self.whole_len
+
     def finish(self) -> list[tuple[int, np.ndarray]]:
         out = []
-        if self._n > self.max_len:  # the tail after the cut must fit in one piece too
+        if self._longer_than_whole() and self._n > self.max_len:  # the tail after the cut must fit too
             out.append(self._cut(max(self._n - self.max_len, int(self.max_len * (1 - SEARCH_FRACTION))),
                                  self.max_len))
         if self._n:
@@ -95,8 +107,10 @@ class PieceCutter:
         return offset, piece
 
 
-def split_long(audio: np.ndarray, sample_rate: int, max_seconds: float) -> list[tuple[float, np.ndarray]]:
-    """[(offset seconds, piece)] tiling `audio` [samples] with pieces of <= max_seconds."""
-    cutter = PieceCutter(sample_rate, max_seconds)
+def split_long(audio: np.ndarray, sample_rate: int, max_seconds: float,
+               cut_seconds: float | None = None) -> list[tuple[float, np.ndarray]]:
+    """[(offset seconds, piece)] tiling `audio` [samples] as `PieceCutter` does: whole if no
+    longer than max_seconds, else in pieces of <= cut_seconds (default max_seconds)."""
+    cutter = PieceCutter(sample_rate, max_seconds, cut_seconds)
     pieces = cutter.push(audio) + cutter.finish()
     return [(offset / sample_rate, piece) for offset, piece in pieces]
