@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from engines.cpu_threads import decoder_threads
+from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
 from engines.decode_graphs import DecodeMode
 from engines.whisper import KVCache, Whisper
 from engines.whisper_alignment import Aligner
@@ -50,17 +50,12 @@ class DecodeOptions:
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     best_of: int = 5
     loop_check_every: int = 16  # steps between repetition checks (the graph modes' steps per host read)
-    # Token steps are many tiny ops; on a busy few-core CPU, OpenMP workers waiting on each
-    # other cost more than they save (measured 8x slower per step with 2 threads under load).
-    decoder_threads: int | None = 1  # None: keep torch's current setting
 
     def __post_init__(self) -> None:
         if not 4 <= self.max_length <= 448:
             raise ValueError(f"max_length must be in [4, 448], got max_length={self.max_length!r}")
         if self.max_initial_timestamp < 0:
             raise ValueError(f"max_initial_timestamp must be >= 0, got {self.max_initial_timestamp!r}")
-        if self.decoder_threads is not None and self.decoder_threads < 1:
-            raise ValueError(f"decoder_threads must be >= 1 or None, got {self.decoder_threads!r}")
         if self.loop_check_every < 1:
             raise ValueError(f"loop_check_every must be >= 1, got {self.loop_check_every!r}")
         t = self.temperatures
@@ -106,6 +101,7 @@ class GreedyDecoder:
         self.prompt = tokenizer.sot_sequence(options.language, options.timestamps)
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
+        self.cpu_threads = DECODER_THREADS  # the token loops' threads on the CPU, until reserve() measures
         self.fallback = Fallback(self)
         heads = alignment_heads or default_alignment_heads(model.dims, None)
         self.aligner = Aligner(model.decoder, heads, tokenizer.sot_sequence(options.language, timestamps=False),
@@ -122,8 +118,31 @@ class GreedyDecoder:
         return self.graphs.set_mode(requested, self.device).value
 
     def reserve(self, max_batch: int) -> None:
-        """Smallest batch the graph modes build their static buffers for."""
+        """Startup: the smallest batch the graph modes build their static buffers for; on the
+        CPU, the token loops' thread count (`engines/cpu_threads.py`)."""
         self.graphs.reserve(max_batch)
+        if self.device.type == "cpu":
+            self.cpu_threads = self._fastest_cpu_threads(max_batch)
+
+    @torch.inference_mode()
+    def _fastest_cpu_threads(self, max_batch: int, steps: int = 2) -> int:
+        """Time the prompt and a few token steps of a batch of seeded random audio states with 1
+        thread and with all (about 0.45 s for base). Threads pay when the machine is idle:
+        16 windows of test-other decoded 1.3x faster with 2 threads on 2 cores, but a token step
+        is many small ops, and under outside load 2 threads ran 8x slower per step."""
+        dims, gen = self.model.dims, torch.Generator().manual_seed(0)
+        b = min(max_batch, 4)
+        audio = torch.randn(b, dims.n_audio_ctx, dims.n_audio_state, generator=gen).to(self.model.encoder.dtype)
+        cache = self.model.decoder.new_cache(audio, len(self.prompt) + steps)
+        prompt = torch.tensor(self.prompt).expand(b, -1)
+
+        def run() -> None:
+            cache.length = 0
+            tokens = self.model.decoder(prompt, cache)[:, -1:].argmax(-1)
+            for _ in range(steps):
+                tokens = self.model.decoder(tokens, cache).argmax(-1)
+
+        return fastest_threads(run, rounds=2)
 
     @torch.inference_mode()
     def decode(self, mel: Tensor, frames: list[int] | None = None, words: bool = False) -> list[WindowResult]:
@@ -138,7 +157,7 @@ class GreedyDecoder:
         `decode` for frames and words). The cross K/V projection, the prompt and the word
         alignment run with all threads (the projection is one [B * 1500, d] GEMM per layer:
         1.3 s with 1 thread, 0.8 s with 2 for 16 windows of base), the token loop with
-        `decoder_threads`."""
+        `cpu_threads`."""
         frames = frames or [2 * audio.shape[1]] * audio.shape[0]
         if self.graphs.mode is not DecodeMode.EAGER:
             built = self.graphs.ready(audio.shape[0])  # None once a failed capture fell back to eager
@@ -178,7 +197,7 @@ class GreedyDecoder:
         -> (progress, no-speech probabilities)."""
         logits, no_speech = self.start(cache, n)
         state, progress = RuleState.new(n, self.device), Progress(n)
-        with decoder_threads(self.device, self.opts.decoder_threads):
+        with decoder_threads(self.device, self.cpu_threads):
             for step in range(self.n_steps):
                 nxt, lp = self.rules.next_token(logits, state, sampler)
                 progress.record([nxt.tolist()], [lp.tolist()], self.tok.eot)  # one host sync per token
@@ -205,7 +224,7 @@ class GreedyDecoder:
         no_speech = static.load(audio)
         b = static.bucket(n)
         progress, s0 = Progress(n, rows=b), 0
-        with decoder_threads(self.device, self.opts.decoder_threads):
+        with decoder_threads(self.device, self.cpu_threads):
             while s0 < self.n_steps:
                 runner.run(b)
                 s1 = min(s0 + runner.steps, self.n_steps)

@@ -45,3 +45,31 @@ def test_decoder_threads_leaves_cuda_alone(two_threads):
     with decoder_threads("cpu", 1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == 2
+
+
+def test_whisper_token_loops_run_with_the_measured_thread_count(two_threads, monkeypatch):
+    from engines import whisper_decoding
+    from whisper_random import random_audio, random_decoder, random_whisper
+
+    model = random_whisper()
+    dec = random_decoder(model, whisper_decoding.DecodeOptions(max_length=12, temperatures=(0.0,)))
+    assert dec.cpu_threads == 1  # before reserve(): the choice that cannot collapse under load
+    timed: list[int] = []
+    real = whisper_decoding.fastest_threads
+
+    def spy(run, **kw):
+        timed.append(real(run, **kw))  # the real measurement runs the synthetic decode
+        return 1
+
+    monkeypatch.setattr(whisper_decoding, "fastest_threads", spy)
+    dec.cpu_threads = 2
+    dec.reserve(16)
+    assert len(timed) == 1 and timed[0] in (1, 2) and dec.cpu_threads == 1
+    assert torch.get_num_threads() == 2  # restored after the measurement
+    seen = []
+    hook = model.decoder.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    try:
+        dec.decode_audio(random_audio(model, 3, seed=1))
+    finally:
+        hook.remove()
+    assert seen[0] == 2 and set(seen[1:]) == {1}  # the prompt with all threads, the tokens with 1
