@@ -11,7 +11,6 @@ padded batch [B, 1, T] goes through `LogMel` on the engine's device before the e
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from engines.decode_graphs import DecodeMode
 from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width, make_backend,
                                      resolve_backend)
 from engines.precision import TRT_PRECISION, resolve_dtype
+from engines.stage_times import StageTimes
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerDecoder
 from transcribe.audio_frontend import AudioFrontend, resolve_features_on
@@ -114,7 +114,7 @@ class ParakeetEngine:
         self.logmel = features.to(device) if self.features_on == "device" else None
         self.frontend = (AudioFrontend(self.sample_rate, self.max_piece_seconds) if self.logmel is not None
                          else per_piece)
-        self.stage_seconds: dict[str, float] = defaultdict(float)
+        self.stage_seconds = StageTimes(device)
         self._host: torch.Tensor | None = None  # pinned batch buffer on CUDA, see reserve()
         # Profiles: per length edge, the batch width of a piece that long (as _batch pads it).
         self.profiles = feature_profiles(features.cfg, backend_options, BUCKET_EDGES_S)
@@ -215,19 +215,12 @@ class ParakeetEngine:
             batch[i, :, : f.shape[1]] = f
         return batch.to(self.device, non_blocking=True), lengths.to(self.device, non_blocking=True)
 
-    def _timed(self, stage: str, t0: float) -> float:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()  # one sync per stage per batch, for honest stage times
-        t1 = time.perf_counter()
-        self.stage_seconds[stage] += t1 - t0
-        return t1
-
     @torch.inference_mode()
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
         """A batch of float32 mono pieces at `sample_rate` -> one Result per piece."""
         t = time.perf_counter()
         features = [torch.from_numpy(self.frontend(p)) for p in pieces]
-        self._timed("features", t)
+        self.stage_seconds.lap("features", t)
         return self.transcribe_features(features)
 
     def _encoder_input(self, pieces: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,11 +228,11 @@ class ParakeetEngine:
         timed as the stages "batch" and, with features on the device, "features"."""
         t = time.perf_counter()
         x, lengths = self._batch(pieces)
-        # The sync in _timed also ends the host-to-device copy before the pinned buffer is reused.
-        t = self._timed("batch", t)
+        # The sync in lap() also ends the host-to-device copy before the pinned buffer is reused.
+        t = self.stage_seconds.lap("batch", t)
         if self.logmel is not None:
             x, lengths = self.logmel(x[:, 0], lengths)
-            self._timed("features", t)
+            self.stage_seconds.lap("features", t)
         return x, lengths
 
     @torch.inference_mode()
@@ -250,12 +243,12 @@ class ParakeetEngine:
         feats, flen = self._encoder_input(pieces)
         t = time.perf_counter()
         enc, elen = self.encoder_backend(feats, flen)
-        t = self._timed("encoder", t)
+        t = self.stage_seconds.lap("encoder", t)
         if self.kind == "ctc" and isinstance(self.decoder, TransducerDecoder):
             hyps = self.decoder.decode_ctc(enc, elen)
         else:
             hyps = self.decoder.decode(enc, elen)
-        t = self._timed("decoder", t)
+        t = self.stage_seconds.lap("decoder", t)
         out = [build_result(self.tokenizer, h.tokens, h.frames, h.durations, self.kind, self.timing) for h in hyps]
-        self._timed("detokenize", t)
+        self.stage_seconds.lap("detokenize", t)
         return out

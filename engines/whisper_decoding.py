@@ -14,6 +14,7 @@ steps on the device between host reads, the loop check at the same steps as eage
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
 from engines.decode_graphs import DecodeMode
+from engines.stage_times import StageTimes
 from engines.whisper import KVCache, Whisper
 from engines.whisper_alignment import Aligner
 from engines.whisper_alignment import alignment_heads as default_alignment_heads
@@ -103,6 +105,8 @@ class GreedyDecoder:
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
         self.cpu_threads = DECODER_THREADS  # the token loops' threads on the CPU, until reserve() measures
         self.fallback = Fallback(self)
+        # encoder, decoder (cross K/V, prompt, greedy token loop), fallback, words: see decode()
+        self.stage_seconds = StageTimes(self.device)
         heads = alignment_heads or default_alignment_heads(model.dims, None)
         self.aligner = Aligner(model.decoder, heads, tokenizer.sot_sequence(options.language, timestamps=False),
                                tokenizer.eot)
@@ -149,7 +153,10 @@ class GreedyDecoder:
         """mel: [B, n_mels, 3000] -> one WindowResult per window (same order). words: also word
         times (`whisper_alignment`), for which frames gives each window's mel frames of real
         audio (None: all 3000)."""
-        return self.decode_audio(self.model.encoder(mel.to(self.device)), frames, words)
+        t = time.perf_counter()
+        audio = self.model.encoder(mel.to(self.device))
+        self.stage_seconds.lap("encoder", t)
+        return self.decode_audio(audio, frames, words)
 
     @torch.inference_mode()
     def decode_audio(self, audio: Tensor, frames: list[int] | None = None, words: bool = False) -> list[WindowResult]:
@@ -159,20 +166,28 @@ class GreedyDecoder:
         1.3 s with 1 thread, 0.8 s with 2 for 16 windows of base), the token loop with
         `cpu_threads`."""
         frames = frames or [2 * audio.shape[1]] * audio.shape[0]
-        if self.graphs.mode is not DecodeMode.EAGER:
-            built = self.graphs.ready(audio.shape[0])  # None once a failed capture fell back to eager
-            if built is not None:
-                results, order = self._chunked(audio, *built)
-                return self.finish(results, built[0].cross_k, built[0].cross_v, order, frames, words)
-        results, cache, order = self._greedy(audio)
-        return self.finish(results, cache.cross_k, cache.cross_v, order, frames, words)
+        t = time.perf_counter()
+        built = self.graphs.ready(audio.shape[0]) if self.graphs.mode is not DecodeMode.EAGER else None
+        if built is not None:  # None also once a failed capture fell back to eager
+            results, order = self._chunked(audio, *built)
+            cross_k, cross_v = built[0].cross_k, built[0].cross_v
+        else:
+            results, cache, order = self._greedy(audio)
+            cross_k, cross_v = cache.cross_k, cache.cross_v
+        self.stage_seconds.lap("decoder", t)
+        return self.finish(results, cross_k, cross_v, order, frames, words)
 
     def finish(self, results: list[WindowResult], cross_k: Tensor, cross_v: Tensor, order: list[int],
                frames: list[int], words: bool) -> list[WindowResult]:
         """The greedy results -> after the temperature fallback, and with word times when
         `words`; both read the audio from the cross K/V rows (`add_words` for the layout)."""
+        t = time.perf_counter()
         results = self.fallback.redecode(results, cross_k, cross_v, order)
-        return self.add_words(results, cross_k, cross_v, order, frames) if words else results
+        t = self.stage_seconds.lap("fallback", t)
+        if words:
+            results = self.add_words(results, cross_k, cross_v, order, frames)
+            self.stage_seconds.lap("words", t)
+        return results
 
     def start(self, cache: KVCache, n: int) -> tuple[Tensor, Tensor]:
         """Run the prompt for n windows into `cache` (cross K/V already there) -> the first

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
@@ -134,7 +133,8 @@ class WhisperEngine:
         self.sample_rate = SAMPLE_RATE
         self.max_piece_seconds = WINDOW_SECONDS
         self.bucket_edges_s = (WINDOW_SECONDS,)  # every window costs a full 30 s encoder pass
-        self.stage_seconds: dict[str, float] = defaultdict(float)
+        # The decoder's stages (encoder, decoder, fallback, words) plus "batch" (below).
+        self.stage_seconds = decoder.stage_seconds
 
     @property
     def runtime(self) -> str:
@@ -181,8 +181,8 @@ class WhisperEngine:
             mel = torch.stack([pad_window(f) for f in chunk])  # copies out of shared memory
             seconds = [frames_to_seconds(f.shape[1]) for f in chunk]
             frames = [audio_frames(round(s * SAMPLE_RATE)) for s in seconds]
+            self.stage_seconds.lap("batch", t0)
             results = self.decoder.decode(mel, frames, words=self.word_timestamps)
-            self.stage_seconds["whisper"] += time.perf_counter() - t0
             for sec, res in zip(seconds, results):
                 res = _clip(res, sec)
                 segments = [Segment(text.strip(), a, b) for a, b, text in res.segments if text.strip()]

@@ -4,6 +4,7 @@ and words in the JSON output of the pipeline and the CLI."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,14 @@ def test_pipeline_words_follow_openai_whisper(base):
     """Through our frontend (the padded audio's log-mel) a few words differ from openai-whisper's
     (commas mostly); where the text is the same, the word times are within a frame or three."""
     files = reference_files()
-    results = base.transcribe_features([torch.from_numpy(base.frontend(audio_of(f))) for f in files])
+    features = [torch.from_numpy(base.frontend(audio_of(f))) for f in files]
+    before, t0 = dict(base.stage_seconds), time.perf_counter()
+    results = base.transcribe_features(features)
+    wall = time.perf_counter() - t0
+    # Each stage's time is charged once: they add up to no more than the call's wall time.
+    spent = {k: v - before.get(k, 0.0) for k, v in base.stage_seconds.items()}
+    assert set(spent) == {"batch", "encoder", "decoder", "fallback", "words"}
+    assert all(v > 0 for v in spent.values()) and sum(spent.values()) <= wall
     gaps, same = [], 0
     for f, res in zip(files, results, strict=True):
         assert res.words and "".join(w.word for w in res.words) == res.text.replace(" ", "")  # words are stripped
