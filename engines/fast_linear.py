@@ -67,7 +67,7 @@ class PackedLinear(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         self.out_features, self.in_features = weight.shape
-        self.activation = activation
+        self.activation, self.dtype = activation, weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), M_HINT)
         self.bias = None if bias is None else bias.detach().contiguous()
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engines.conformer import LayerNorm
-from engines.fast_linear import onednn_linear_available, pack
+from engines.fast_linear import PackedLinear, onednn_linear_available, pack
 from engines.precision import check_dtype
 
 
@@ -283,6 +283,12 @@ class TextDecoder(nn.Module):
         """The compute dtype, that of the caches (the token embedding is stored in it)."""
         return self.embed.weight.dtype
 
+    @property
+    def audio_dtype(self) -> torch.dtype:
+        """The dtype the cross K/V are projected in: the encoder's (see build_whisper)."""
+        kv = self.layers[0].cross.kv
+        return kv.dtype if isinstance(kv, PackedLinear) else kv.weight.dtype
+
     def new_cache(self, audio: Tensor, max_len: int) -> KVCache:
         """Allocate the self-attention cache and project audio [B, T_a, d] to cross K/V once."""
         b, t_audio, d = audio.shape
@@ -297,7 +303,7 @@ class TextDecoder(nn.Module):
         """audio [n, T_a, d] (the encoder's dtype) -> every layer's cross K/V, written into
         cross_k / cross_v [layers, n, heads, T_a, d / heads] (views of a larger buffer are fine)."""
         h = self.layers[0].n_head
-        audio = audio.to(self.dtype)
+        audio = audio.to(self.audio_dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.cross.kv(audio).chunk(2, dim=-1)
             cross_k[i].copy_(_heads(k, h))
@@ -332,9 +338,10 @@ class Whisper(nn.Module):
 
 def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, decoder_dtype: torch.dtype | None = None) -> Whisper:
-    """Construct on the meta device (no init cost) and assign `state` on `device`, the encoder's
-    weights in `dtype`, the decoder's in `decoder_dtype` (None: `dtype`), LayerNorms' in fp32,
-    each converted from the checkpoint's own dtype. Each dtype is checked against the device
+    """Construct on the meta device (no init cost) and assign `state` on `device`, the audio
+    side's weights in `dtype` (the encoder and the decoder's cross K/V projection, which reads
+    the encoder's states), the rest of the decoder's in `decoder_dtype` (None: `dtype`),
+    LayerNorms' in fp32, each converted from the checkpoint's own dtype. Each dtype is checked against the device
     first (engines.precision.check_dtype: ValueError). On the CPU the linears are then packed
     (`pack_linears`): the model is for inference only."""
     device = torch.device(device)
@@ -350,7 +357,10 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
              for p in ("weight", "bias")}
 
     def dtype_of(key: str) -> torch.dtype:
-        return torch.float32 if key in norms else decoder_dtype if key.startswith("decoder.") else dtype
+        if key in norms:
+            return torch.float32
+        audio_side = key.startswith("encoder.") or ".cross.kv." in key
+        return dtype if audio_side else decoder_dtype
 
     state = {k: v.to(device=device, dtype=dtype_of(k)) for k, v in state.items()}
     state["decoder.head.weight"] = state["decoder.embed.weight"]  # one tensor, until packing copies it

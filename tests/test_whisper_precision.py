@@ -37,7 +37,7 @@ def engines():
     return {d: WhisperEngine.from_bundled(dtype=d, batch_size=FILES) for d in ("float32", "bf16")}
 
 
-def test_bf16_packs_the_encoder_in_bf16_and_keeps_the_decoder_and_norms_fp32(engines):
+def test_bf16_packs_the_audio_side_in_bf16_and_keeps_the_token_side_and_norms_fp32(engines):
     assert engines["float32"].runtime == "encoder float32, decoder float32 eager"
     assert engines["bf16"].runtime == "encoder bfloat16, decoder float32 eager"
     for name, want in (("float32", (torch.float32, torch.float32)), ("bf16", (torch.bfloat16, torch.float32))):
@@ -48,7 +48,11 @@ def test_bf16_packs_the_encoder_in_bf16_and_keeps_the_decoder_and_norms_fp32(eng
             # per layer qkv, out, fc1 (GELU fused), fc2; the decoder's cross q, kv, out and the logits head
             layers = len(half.layers)
             assert len(packed) == (4 * layers if half is model.encoder else 7 * layers + 1)
-            assert all(m.packed.dtype == dtype for m in packed)
+            # The cross K/V projection reads the encoder's states, once per window: it runs in
+            # the encoder's dtype and writes the decoder's cache (fp32) by casting.
+            kv = [layer.cross.kv for layer in model.decoder.layers]
+            assert all(m.packed.dtype == m.dtype == (want[0] if m in kv else dtype) for m in packed)
+            assert model.decoder.audio_dtype == want[0]
             assert [m.activation for m in packed].count("gelu") == layers
             assert not any(isinstance(m, torch.nn.Linear) for m in half.modules())
             norms = [m for m in half.modules() if isinstance(m, torch.nn.LayerNorm)]
