@@ -23,6 +23,13 @@ Decoder-only: encoder outputs of a few real batches are decoded `--decoder-reps`
 after a warm-up, with the device synchronised around the timed span; speed-up vs eager.
 The NeMo peer runs `bench/nemo_peer.py --device cuda` in `--nemo-python` (an interpreter
 with nemo_toolkit) on the same repeated manifest.
+
+`--json` is rewritten (atomically) after every run, so a run cut off by a time limit keeps what
+finished ("complete": false until the end). Subsets fit one 10-minute device call each: empty
+`--backends/--modes/--features-on/--dtypes` lists drop those axes, `--no-baseline` drops the
+torch/eager run (mismatches are then counted against the first run made, named in "baseline"),
+`--no-decoder-only` skips the decoder-only part. `--merge A.json B.json ... --json OUT` joins
+the reports of such calls (runs, decoder-only, NeMo) and recomputes the comparisons with NeMo.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 import tempfile
 import time
 from pathlib import Path
@@ -121,9 +129,10 @@ def decoder_only(model: str, manifest: Path, modes: list[str], reps: int, batch:
         batches.append(engine.encoder_backend(x, n))
     dec, rows, ref = engine.decoder, [], None
     for mode in modes:
-        chosen = dec.set_mode(mode)
+        chosen, captures = dec.set_mode(mode), dec.graphs.captures
         outs = [[h.tokens for h in dec.decode(e.clone(), n)] for e, n in batches]  # warm-up + capture
         _sync(device)
+        used = dec.mode  # after the warm-up: a failed capture has fallen back by now
         t0 = time.perf_counter()
         for _ in range(reps):
             for e, n in batches:
@@ -131,9 +140,11 @@ def decoder_only(model: str, manifest: Path, modes: list[str], reps: int, batch:
         _sync(device)
         sec = (time.perf_counter() - t0) / reps
         ref = ref if ref is not None else outs
-        rows.append({"mode_requested": mode, "mode": chosen, "seconds_per_pass": round(sec, 5),
-                     "identical_to_first": outs == ref})
-    eager = next((r["seconds_per_pass"] for r in rows if r["mode"] == "eager"), None)
+        rows.append({"mode_requested": mode, "mode_selected": chosen, "mode": used,
+                     "mode_at_end": dec.mode, "captures": dec.graphs.captures - captures,
+                     "seconds_per_pass": round(sec, 5), "identical_to_first": outs == ref})
+    eager = next((r["seconds_per_pass"] for r in sorted(rows, key=lambda r: r["mode_requested"] != "eager")
+                  if r["mode"] == "eager"), None)  # the eager request first, else a fallback to eager
     for r in rows:
         r["speedup_vs_eager"] = round(eager / r["seconds_per_pass"], 2) if eager else None
     return rows
@@ -155,7 +166,11 @@ def nemo_peer(a, manifest: Path, out: Path, dtype: str) -> dict | None:
     cmd = [a.nemo_python, str(Path(__file__).with_name("nemo_peer.py")), "--model", a.model, "--manifest",
            str(manifest), "--device", a.device, "--batch-size", str(a.nemo_batch_size), "--dtype", dtype,
            "--json", str(out)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:  # e.g. no such interpreter
+        print(f"NeMo peer failed to start: {e}", file=sys.stderr)
+        return None
     if p.returncode != 0:
         print(f"NeMo peer failed ({p.returncode}):\n{p.stderr[-3000:]}", file=sys.stderr)
         return None
@@ -164,41 +179,110 @@ def nemo_peer(a, manifest: Path, out: Path, dtype: str) -> dict | None:
     return r
 
 
+def write_report(path: str | None, report: dict) -> None:
+    """Rewrite `path` with the report so far: a temporary file beside it, then os.replace, so a
+    reader (or a run killed mid-write) never sees a half-written file."""
+    if not path:
+        return
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, dest)
+
+
+def summarise(report: dict) -> None:
+    """The comparisons drawn from `runs` and `nemo`: features placement and, per dtype, our best
+    run against NeMo in that dtype (same precision on both sides)."""
+    runs = report.get("runs", [])
+    report["features_on"] = features_on_summary(runs, report.get("default_backend", "cuda-graphs"))
+    report["vs_nemo"] = {}
+    for d, nemo in (report.get("nemo") or {}).items():
+        best_d = max((r for r in runs if "rtfx" in r and r["dtype"] == d), key=lambda r: r["rtfx"], default=None)
+        nemo_d = (nemo or {}).get("rtfx_steady")
+        if best_d and nemo_d:
+            report["vs_nemo"][d] = {"ours": best_d["rtfx"], "runtime": best_d["runtime"], "nemo": nemo_d,
+                                    "ratio": round(best_d["rtfx"] / nemo_d, 2)}
+
+
+def merge(paths: list[str]) -> dict:
+    """One report from several calls' reports (same GPU and model expected): runs and decoder-only
+    rows concatenated, NeMo results joined; each run keeps the file it came from. Mismatch counts
+    stay as each call counted them (against that call's baseline)."""
+    report: dict = {"merged_from": paths, "runs": [], "decoder_only": [], "nemo": {}}
+    for p in paths:
+        part = json.loads(Path(p).read_text())
+        for k in ("gpu", "torch", "model", "audio_seconds", "repeats", "default_backend"):
+            if k in part and part[k] != report.setdefault(k, part[k]):
+                report.setdefault("differences", []).append({"key": k, "file": p, "value": part[k]})
+        report["runs"] += [{**r, "from": p} for r in part.get("runs", [])]
+        rows = part.get("decoder_only") or []
+        report["decoder_only"] += [{**r, "from": p} for r in ([rows] if isinstance(rows, dict) else rows)]
+        report["nemo"].update({d: v for d, v in (part.get("nemo") or {}).items() if v})
+        report["complete"] = report.get("complete", True) and bool(part.get("complete"))
+    summarise(report)
+    return report
+
+
+def _list(value: str) -> list[str]:
+    return [v for v in value.split(",") if v]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--audio", required=True, help="folder or manifest of real speech (repeated to --min-hours)")
+    ap.add_argument("--model", help="the .nemo to bench (required unless --merge)")
+    ap.add_argument("--audio", help="folder or manifest of real speech, repeated to --min-hours (required unless --merge)")
     ap.add_argument("--min-hours", type=float, default=1.0)
-    ap.add_argument("--backends", default="torch,cuda-graphs,tensorrt")
-    ap.add_argument("--modes", default="eager,unrolled,full-graph")
-    ap.add_argument("--features-on", default="workers,device", help="where log-mel runs (default encoder, auto decoder)")
+    ap.add_argument("--backends", default="torch,cuda-graphs,tensorrt", help="encoder backends (auto decoder); '' for none")
+    ap.add_argument("--modes", default="eager,unrolled,full-graph",
+                    help="decoder modes (cuda-graphs encoder; also the decoder-only modes); '' for none")
+    ap.add_argument("--features-on", default="workers,device",
+                    help="where log-mel runs (default encoder, auto decoder); '' for none")
     ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="encoder compute dtypes (default backend, auto decoder); NeMo runs each as autocast")
+                    help="encoder compute dtypes (default backend, auto decoder); NeMo runs each as autocast; '' for none")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the torch/eager run (mismatches then count against the first run made)")
+    ap.add_argument("--no-decoder-only", action="store_true", help="skip the decoder-only timing")
     ap.add_argument("--batch-seconds", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--decoder-reps", type=int, default=5)
     ap.add_argument("--decoder-batch", type=int, default=32)
     ap.add_argument("--nemo-python", default=None, help="interpreter with nemo_toolkit (omit: no peer)")
+    ap.add_argument("--nemo-dtypes", default=None, help="dtypes for the NeMo peer (default: --dtypes)")
     ap.add_argument("--nemo-batch-size", type=int, default=32)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="report, rewritten after every run")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="join earlier reports into --json (runs nothing)")
     ap.add_argument("--device", default="cuda", help="cuda (the bench); cpu only smoke-tests this script")
     a = ap.parse_args()
+    if a.merge:
+        report = merge(a.merge)
+        write_report(a.json, report)
+        print(json.dumps({"runs": len(report["runs"]), "vs_nemo": report["vs_nemo"],
+                          "features_on": report["features_on"]}))
+        return 0
+    if not a.model or not a.audio:
+        ap.error("--model and --audio are required (unless --merge)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         print("error: no CUDA device (--device cpu only smoke-tests the script)", file=sys.stderr)
         return 1
-    modes, backends = a.modes.split(","), a.backends.split(",")
+    modes, backends, dtypes = _list(a.modes), _list(a.backends), _list(a.dtypes)
+    nemo_dtypes = dtypes if a.nemo_dtypes is None else _list(a.nemo_dtypes)
     default_backend = resolve_backend("auto", a.device)
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
-    report: dict = {"gpu": gpu, "torch": torch.__version__, "model": a.model}
+    report: dict = {"gpu": gpu, "torch": torch.__version__, "model": a.model, "default_backend": default_backend,
+                    "argv": sys.argv[1:], "complete": False, "runs": []}
+    runs = report["runs"]
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         manifest, audio_s, reps = repeat_inputs(Path(a.audio), a.min_hours, Path(tmp))
         report.update(audio_seconds=round(audio_s, 1), repeats=reps)
-        dtypes = a.dtypes.split(",")
-        configs = ([BASELINE] + [(b, "auto", "workers", "float32") for b in backends if b != "torch"]
-                   + [("cuda-graphs", m, "workers", "float32") for m in modes]
-                   + [(default_backend, "auto", f, "float32") for f in a.features_on.split(",")]
-                   + [(default_backend, "auto", "workers", d) for d in dtypes])
-        runs, base = [], None
+        write_report(a.json, report)
+        configs = ([] if a.no_baseline else [BASELINE]) + (
+            [(b, "auto", "workers", "float32") for b in backends if b != "torch" or a.no_baseline]
+            + [("cuda-graphs", m, "workers", "float32") for m in modes]
+            + [(default_backend, "auto", f, "float32") for f in _list(a.features_on)]
+            + [(default_backend, "auto", "workers", d) for d in dtypes])
+        base = None
         for backend, mode, features_on, dtype in dict.fromkeys(configs):
             try:
                 res = pipeline_run(a.model, manifest, backend, mode, features_on, dtype, a)
@@ -206,30 +290,38 @@ def main() -> int:
                 runs.append({"encoder_backend": backend, "decoder_mode_requested": mode, "features_on": features_on,
                              "dtype": dtype, "error": f"{type(e).__name__}: {e}"})
                 print(f"{backend}/{mode}/{features_on}/{dtype}: {e}", file=sys.stderr)
+                write_report(a.json, report)
                 continue
-            base = base if base is not None else res["texts"]
+            if base is None:
+                base = res["texts"]
+                report["baseline"] = {k: res["row"][k] for k in
+                                      ("encoder_backend", "decoder_mode_requested", "features_on", "dtype")}
             res["row"]["mismatched_files"] = sum(res["texts"].get(k) != v for k, v in base.items())
             runs.append(res["row"])
             print(json.dumps(res["row"]), flush=True)
-        report["runs"] = runs
-        report["features_on"] = features_on_summary(runs, default_backend)
+            summarise(report)
+            write_report(a.json, report)
+        summarise(report)
         print(json.dumps(report["features_on"]), flush=True)
-        report["decoder_only"] = decoder_only(a.model, manifest, modes, a.decoder_reps, a.decoder_batch, a.device)
-        print(json.dumps(report["decoder_only"]), flush=True)
+        if modes and not a.no_decoder_only:
+            try:
+                report["decoder_only"] = decoder_only(a.model, manifest, modes, a.decoder_reps, a.decoder_batch,
+                                                      a.device)
+            except Exception as e:  # noqa: BLE001 -- the runs above must still be reported
+                report["decoder_only"] = {"error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+            print(json.dumps(report["decoder_only"]), flush=True)
+            write_report(a.json, report)
         if a.nemo_python:
-            report["nemo"] = {d: nemo_peer(a, manifest, Path(tmp) / f"nemo_{d}.json", d) for d in dtypes}
-    # Same precision on both sides: our best run in each dtype against NeMo in that dtype.
-    report["vs_nemo"] = {}
-    for d in dtypes:
-        best_d = max((r for r in runs if "rtfx" in r and r["dtype"] == d), key=lambda r: r["rtfx"], default=None)
-        nemo_d = ((report.get("nemo") or {}).get(d) or {}).get("rtfx_steady")
-        if best_d and nemo_d:
-            report["vs_nemo"][d] = {"ours": best_d["rtfx"], "runtime": best_d["runtime"], "nemo": nemo_d,
-                                    "ratio": round(best_d["rtfx"] / nemo_d, 2)}
+            report["nemo"] = {}
+            for d in nemo_dtypes:
+                report["nemo"][d] = nemo_peer(a, manifest, Path(tmp) / f"nemo_{d}.json", d)
+                summarise(report)
+                write_report(a.json, report)
+    summarise(report)
+    report["complete"] = True
+    write_report(a.json, report)
     best = max((r for r in runs if "rtfx" in r), key=lambda r: r["rtfx"], default=None)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"{report['gpu']}: {report['audio_seconds'] / 3600:.2f} h; best RTFx "
           f"{best['rtfx'] if best else None} ({best['runtime'] if best else '-'}); vs NeMo in the same dtype: "
           f"{ {d: v['ratio'] for d, v in report['vs_nemo'].items()} }; features on the device vs workers: RTFx x"

@@ -8,9 +8,10 @@
 
 Graph modes run over static buffers sized (max_batch, max_frames): each batch is copied in,
 rows past it get length 0 (inactive from the first step), and a larger batch regrows the
-buffers and recaptures, in one graph memory pool. The four pieces call the same stage
-functions as eager mode and add only `torch.any(..., out=flag)`, so every mode emits the same
-tokens. A failed capture falls back to the next mode (full-graph -> unrolled -> eager), logged.
+buffers and recaptures, in a fresh graph memory pool (one per capture). The four pieces
+call the same stage functions as eager mode and add only `torch.any(..., out=flag)`, so every
+mode emits the same tokens. A failed capture falls back to the next mode (full-graph ->
+unrolled -> eager), logged.
 """
 from __future__ import annotations
 
@@ -319,14 +320,18 @@ class GraphDecoder(ModeSelection):
         max_batch = max(batch, self.min_batch, old.max_batch if old else 0)
         need = max(frames, self.min_frames, old.max_frames if old else 0)
         max_frames = -(-need // FRAME_QUANTUM) * FRAME_QUANTUM
-        self._drop()  # drop old graphs first: their pool memory is reused
+        self._drop()  # drop old graphs first, so their memory is free before the new capture
 
         def capture(mode: DecodeMode) -> tuple[StaticState, DirectRunner | UnrolledRunner | FullGraphRunner]:
             static = StaticState(self.prediction, self.joint, self.cfg, max_batch, max_frames, dtype, device)
             if not self.capture:
                 return static, DirectRunner(static, None)
-            if self.pool is None and device.type == "cuda":  # one pool for every capture
-                self.pool = torch.cuda.graph_pool_handle()
+            # A fresh pool per capture attempt, shared only by this runner's graphs: a pool whose
+            # graphs were all dropped (regrow, failed attempt) can still hold blocks (cuBLAS keeps
+            # a workspace per capture stream in it), so it lingers with use_count 0 and capturing
+            # into it again trips torch's allocator assert "use_count > 0" (create_or_incref_pool).
+            # The old pool's free blocks are released by the empty_cache() each capture starts with.
+            self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
             return static, _RUNNERS[mode](static, self.pool)
 
         built = self._capture_with_fallback(capture)

@@ -159,7 +159,11 @@ class PredictionNetwork(nn.Module):
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One label per item. labels [B] long; state (h, c) each [L, B, H] -> out [B, H], state."""
         emb = self.prediction["embed"](labels).unsqueeze(0)  # [1, B, H]: LSTM is time-major
-        out, (h, c) = self.prediction["dec_rnn"].lstm(emb, state)
+        # cuDNN's LSTM rejects strided hx/cx ("rnn: hx is not contiguous"); eager decoding with
+        # reserved buffers passes h[:, :B] of [L, max_batch, H], strided when L > 1 and
+        # B < max_batch (the CPU LSTM accepts it). A no-op for full buffers (graph modes).
+        h0, c0 = state
+        out, (h, c) = self.prediction["dec_rnn"].lstm(emb, (h0.contiguous(), c0.contiguous()))
         return out.squeeze(0), (h, c)
 
 

@@ -11,7 +11,8 @@
 The host loop is `GreedyDecoder._chunked`: after each chunk it reads the chunk's tokens (one
 sync), runs the repetition-loop check, and moves the live rows to a smaller bucket's graph
 when they fit one. Every bucket is captured when the static buffers are built (largest first,
-one graph memory pool; the warm-up scribbles on the state, which each batch's `load` resets).
+a fresh graph memory pool per build; the warm-up scribbles on the state, which each batch's
+`load` resets).
 Mode selection and the capture fallback full-graph -> unrolled -> eager, logged once, are the
 transducer's (`decode_graphs.ModeSelection`).
 """
@@ -153,14 +154,19 @@ class WhisperGraphs(ModeSelection):
     def _build(self, n: int) -> None:
         old = self.static
         capacity = max(n, self.min_capacity, old.capacity if old else 0)
-        self._drop()  # drop old graphs first: their pool memory is reused
+        self._drop()  # drop old graphs first, so their memory is free before the new capture
 
         def capture(mode: DecodeMode) -> tuple[StaticDecoding, Runner]:
             static = StaticDecoding(self.decoder, capacity, self.decoder.opts.loop_check_every)
             if not self.capture:
                 return static, DirectRunner(static, mode, self.steps(mode))
-            if self.pool is None and self.decoder.device.type == "cuda":  # one pool for every capture
-                self.pool = torch.cuda.graph_pool_handle()
+            # A fresh pool per capture attempt, shared only by this runner's bucket graphs: a pool
+            # whose graphs were all dropped (regrow, failed attempt) can still hold blocks (cuBLAS
+            # keeps a workspace per capture stream in it), so it lingers with use_count 0 and
+            # capturing into it again trips torch's allocator assert "use_count > 0"
+            # (create_or_incref_pool).
+            # The old pool's free blocks are released by the empty_cache() each capture starts with.
+            self.pool = torch.cuda.graph_pool_handle() if self.decoder.device.type == "cuda" else None
             return static, _RUNNERS[mode](static, self.pool, self.steps(mode))
 
         built = self._capture_with_fallback(capture)

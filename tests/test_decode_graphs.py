@@ -12,7 +12,7 @@ from conftest import NEMO_REF, OFFLINE_VARIANTS, Reference, needs_shared
 from engines import cuda_conditional, decode_graphs
 from engines.checkpoint import NemoArchive
 from engines.decode_graphs import DecodeMode, GraphDecoder, select_mode
-from engines.decode_stages import label_looping_decode
+from engines.decode_stages import DecodeBuffers, label_looping_decode
 from engines.transducer import TransducerDecoder
 
 
@@ -74,6 +74,40 @@ def test_padding_rows_never_emit():
     state = graphs.static.state
     assert state.count[1:].tolist() == [0, 0, 0]  # rows 1-3 held a longer batch before: length 0 now
     assert not state.active.any()
+
+
+def _lstm_states_seen(dec: TransducerDecoder) -> tuple[list[tuple[bool, bool]], object]:
+    """Record (hx contiguous, cx contiguous) at every call of the prediction LSTM: cuDNN rejects
+    strided ones, the CPU LSTM does not, so CPU tests pin the contiguity itself."""
+    seen: list[tuple[bool, bool]] = []
+
+    def hook(module, args):
+        h, c = args[1]
+        seen.append((h.is_contiguous(), c.is_contiguous()))
+
+    return seen, dec.prediction.prediction["dec_rnn"].lstm.register_forward_pre_hook(hook)
+
+
+@needs_shared
+@pytest.mark.parametrize("variant", ["tdt_tiny", "rnnt_tiny"])
+def test_eager_with_larger_reserved_buffers_gives_the_lstm_contiguous_state(variant):
+    """Eager decoding in buffers reserved for more rows than the batch has: the state views
+    h[:, :B] are strided (L = 2 layers), the LSTM must still get contiguous hx/cx (cuDNN
+    requires it), and the tokens equal an unreserved decode."""
+    ref, dec = Reference(variant), decoder_for(variant)
+    assert dec.config.pred_rnn_layers >= 2  # else h[:, :B] is contiguous and this pins nothing
+    enc_proj, lengths = projected_batch(dec, ref, [2, 3])
+    w = dec.joint.pred.weight
+    buffers = DecodeBuffers(8, enc_proj.shape[1], dec.config, w.shape[0], w.dtype, w.device)
+    assert not buffers.h[:, :2].is_contiguous()
+    seen, handle = _lstm_states_seen(dec)
+    try:
+        with torch.inference_mode():
+            got = label_looping_decode(enc_proj, lengths, dec.prediction, dec.joint, dec.config, buffers)
+    finally:
+        handle.remove()
+    assert seen and all(h and c for h, c in seen), seen
+    assert got == eager(dec, enc_proj, lengths)
 
 
 def test_select_mode_on_cpu_and_unknown_name():
@@ -168,13 +202,17 @@ def test_gpu_modes_equal_eager(variant, mode):
     assert dec.set_mode(mode) == mode
     dec.graphs.reserve(2, 1)
     plan = [([2, 3], 0), ([4], 0), (list(range(len(ref.files))), 9), ([5, 2], 0)]
+    pools = []
     for files, pad in plan:
         enc_proj, lengths = projected_batch(dec, ref, files, pad, device="cuda")
         with torch.inference_mode():
             got = dec.graphs.decode(enc_proj, lengths)
         assert dec.mode == mode, "no fallback expected"
         assert got == eager(dec, enc_proj, lengths), f"{variant} {mode} files {files}"
+        pools.append(dec.graphs.pool)
     assert dec.graphs.captures == 2
+    # the regrow captured into a fresh pool: the dropped graphs' pool is never captured into again
+    assert pools[0] == pools[1] and len(set(pools)) == 2
     # and through the public entry point (encoder layout [B, D, T])
     encs = [torch.from_numpy(ref.array("encoder", i)) for i in (0, 1)]
     raw = torch.zeros(2, dec.config.enc_hidden, max(e.shape[1] for e in encs))
@@ -182,6 +220,32 @@ def test_gpu_modes_equal_eager(variant, mode):
         raw[row, :, : e.shape[1]] = e
     lengths = torch.tensor([e.shape[1] for e in encs])
     assert dec.decode(raw.cuda(), lengths) == _cuda_decoder(variant).decode(raw.cuda(), lengths)
+
+
+@pytest.mark.gpu
+@needs_shared
+@pytest.mark.parametrize("variant", OFFLINE_VARIANTS)
+def test_gpu_eager_with_larger_reserved_buffers_equals_unreserved(variant):
+    """Eager mode on CUDA after reserve() for more rows than the batch: cuDNN's LSTM gets the
+    strided views h[:, :B] of the [L, max_batch, H] buffers unless step() makes them contiguous
+    ("rnn: hx is not contiguous"). Tokens must equal an eager decode without buffers."""
+    ref, dec = Reference(variant), _cuda_decoder(variant)
+    assert dec.set_mode("eager") == "eager"
+    files = [2, 3]
+    encs = [torch.from_numpy(ref.array("encoder", i)) for i in files]
+    frames = max(e.shape[1] for e in encs)
+    raw = torch.zeros(len(files), dec.config.enc_hidden, frames)
+    for row, e in enumerate(encs):
+        raw[row, :, : e.shape[1]] = e
+    lengths = torch.tensor([e.shape[1] for e in encs])
+    dec.reserve(8, frames + 16)
+    assert dec.buffers is not None and dec.buffers.max_batch == 8
+    got = dec.decode(raw.cuda(), lengths)
+    assert dec.mode == "eager"
+    assert got == _cuda_decoder(variant).decode(raw.cuda(), lengths)  # no buffers: fresh [L, B, H] state
+    # and the unreserved eager decode of the same rows through the stage driver
+    enc_proj, lens = projected_batch(dec, ref, files, device="cuda")
+    assert got == eager(dec, enc_proj, lens)
 
 
 @pytest.mark.gpu

@@ -1,21 +1,51 @@
 #!/usr/bin/env bash
 # Runs ON a lent GPU machine (the `device` tool), from the repository root, with .gpukit/
-# carried (made by bench/gpu/prepare_kit.sh). Stages, so each call fits the tool's 10 minutes:
+# carried (made by bench/gpu/prepare_kit.sh). One stage per call, each sized to fit the tool's
+# 10 minutes (`--min-hours H`, default 1, shortens the bench stages for a quick first pass):
 #
-#   bash bench/gpu/on_device.sh tests     # GPU tests: every decoder mode, encoder backend and
-#                                         # the streaming kernel against eager, on the fixtures
-#   bash bench/gpu/on_device.sh bench     # 618M model: RTFx from files per backend and mode,
-#                                         # decoder-only speed-ups, NeMo on the same GPU
-#   bash bench/gpu/on_device.sh stream    # streaming load on the 618M shape (streams at p95 < 300 ms)
-#   bash bench/gpu/on_device.sh features  # 618M model: log-mel in the workers vs on the GPU, micro
-#                                         # (batched vs per piece) and end to end (RTFx, stages)
+#   bash bench/gpu/on_device.sh tests           # GPU tests (-m gpu): every decoder mode, encoder
+#                                               # backend, the streaming kernel, against eager
+#   bash bench/gpu/on_device.sh tests-compile   # the slow torch.compile GPU test, alone
+#   bash bench/gpu/on_device.sh bench-encoder   # 618M model: encoder-only time per dtype
+#   bash bench/gpu/on_device.sh bench-backends  # RTFx from files: torch/eager baseline, cuda-graphs,
+#                                               # tensorrt, bf16 (decoder auto)
+#   bash bench/gpu/on_device.sh bench-modes     # RTFx from files: baseline + cuda-graphs x eager/
+#                                               # unrolled/full-graph; decoder-only speed-ups
+#   bash bench/gpu/on_device.sh bench-nemo      # NeMo transcribe() fp32 + bf16 on the same audio
+#   bash bench/gpu/on_device.sh stream          # streaming load on the 618M shape (p95 < 300 ms)
+#   bash bench/gpu/on_device.sh features        # 618M model: log-mel in the workers vs on the GPU,
+#                                               # micro (batched vs per piece) and end to end
+#   bash bench/gpu/on_device.sh bench           # alias: the four bench-* stages in a row (more than
+#                                               # 10 minutes: only where no call limit applies)
 #
-# Logs and JSON go to $OUT (the tool brings them back). The machine starts bare, so every call
-# installs the kit's wheels again (pure unpacking, seconds).
+# e.g. a quick first pass: `bash bench/gpu/on_device.sh bench-modes --min-hours 0.25`.
+# Logs and JSON go to $OUT (the tool brings them back); gpu_bench JSON is rewritten after every
+# run, so a call cut off at the limit still returns the runs that finished. Join the bench-*
+# reports here with `python bench/gpu_bench.py --merge A.json B.json ... --json gpu.json`.
+# The machine starts bare, so every call installs the kit's wheels again (pure unpacking,
+# seconds); the model is made once per machine (/tmp, kept while the machine stays warm).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+STAGE=${1:-tests}
+[ $# -gt 0 ] && shift
+MIN_HOURS=1
+usage() {
+  echo "usage: on_device.sh tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|stream|features|bench [--min-hours H]"
+  exit 2
+}
+while [ $# -gt 0 ]; do
+  case $1 in
+    --min-hours) [ $# -ge 2 ] || usage; MIN_HOURS=$2; shift 2 ;;
+    --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
+    *) usage ;;
+  esac
+done
+case $STAGE in
+  tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench|stream|features) ;;
+  *) usage ;;
+esac
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpukit/whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -35,39 +65,71 @@ except ImportError:
     print("tensorrt: not installed (its wheel needs a host these machines cannot reach)")
 PY
 MODEL=/tmp/parakeet_tdt_0.6b_v2_random.nemo
-make_model() {
-  [ -f "$MODEL" ] || python3 ../shared/tools/make_random_nemo.py ../shared/fixtures/parakeet_tdt_0.6b_v2_shape "$MODEL" --seed 0
+AUDIO=../shared/data/speech/librispeech_test_other
+make_model() {  # written aside, then renamed: a call cut off mid-write leaves no half model
+  [ -f "$MODEL" ] && return 0
+  python3 ../shared/tools/make_random_nemo.py ../shared/fixtures/parakeet_tdt_0.6b_v2_shape "$MODEL.part" --seed 0 \
+    && mv "$MODEL.part" "$MODEL"
 }
-case "${1:-tests}" in
-  tests)
-    python3 -m pytest -q -rs tests/test_decode_graphs.py tests/test_encoder_backends_gpu.py \
-      tests/test_stream_attention_triton.py tests/test_encoder_backends.py tests/test_decoding.py \
-      tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
-      tests/test_encoder_precision.py tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
-      tests/test_whisper_fallback.py \
-      2>&1 | tee "$OUT/gpu_tests.log"
-    ;;
-  bench)
-    make_model
-    python3 bench/encoder_precision.py --model "$MODEL" --device cuda --json "$OUT/encoder_precision.json" \
-      2>&1 | tee "$OUT/gpu_bench.log"
-    python3 bench/gpu_bench.py --model "$MODEL" --audio ../shared/data/speech/librispeech_test_other \
-      --min-hours 1 --nemo-python python3 --json "$OUT/gpu_bench.json" 2>&1 | tee -a "$OUT/gpu_bench.log"
-    ;;
-  stream)
-    make_model
-    for n in 64 128 256; do
-      python3 bench/streaming_load.py --model "$MODEL" --streams $n --files 20 --device cuda \
-        --audio ../shared/data/speech/librispeech_test_other --json "$OUT/stream_$n.json" 2>&1 | tail -5
-    done | tee "$OUT/stream.log"
-    ;;
-  features)
-    make_model
-    python3 bench/features_device.py --model "$MODEL" --device cuda --audio ../shared/data/speech/librispeech_test_other \
-      --json "$OUT/features_device.json" 2>&1 | tee "$OUT/features.log"
-    python3 bench/gpu_bench.py --model "$MODEL" --audio ../shared/data/speech/librispeech_test_other --min-hours 1 \
-      --backends cuda-graphs --modes auto --features-on workers,device --json "$OUT/gpu_bench_features.json" \
-      2>&1 | tee -a "$OUT/features.log"
-    ;;
-  *) echo "usage: on_device.sh tests|bench|stream|features"; exit 2 ;;
-esac
+gpu_bench() {  # gpu_bench NAME ARGS...: $OUT/gpu_bench_NAME.json (rewritten after every run) and .log
+  local name=$1
+  shift
+  make_model
+  python3 bench/gpu_bench.py --model "$MODEL" --audio "$AUDIO" --min-hours "$MIN_HOURS" \
+    --json "$OUT/gpu_bench_$name.json" "$@" 2>&1 | tee "$OUT/gpu_bench_$name.log"
+}
+COMPILE_TEST=tests/test_encoder_backends_gpu.py::test_compile_tokens_identical_to_eager_on_cuda
+stage() {
+  case $1 in
+    tests)
+      # GPU tests only (CPU tests run in CI); the torch.compile one has its own stage (minutes).
+      python3 -m pytest -q -m gpu -rs --durations=20 --deselect "$COMPILE_TEST" \
+        tests/test_decode_graphs.py tests/test_encoder_backends_gpu.py \
+        tests/test_stream_attention_triton.py tests/test_stream_pool_triton.py \
+        tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
+        tests/test_encoder_precision.py tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
+        tests/test_whisper_fallback.py \
+        2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    tests-compile)
+      python3 -m pytest -q -m gpu -rs --durations=5 "$COMPILE_TEST" 2>&1 | tee "$OUT/gpu_tests_compile.log"
+      ;;
+    bench-encoder)
+      make_model
+      python3 bench/encoder_precision.py --model "$MODEL" --device cuda --json "$OUT/encoder_precision.json" \
+        2>&1 | tee "$OUT/encoder_precision.log"
+      ;;
+    bench-backends)  # baseline, cuda-graphs/auto, tensorrt/auto (fails fast without tensorrt), bf16
+      gpu_bench backends --backends torch,cuda-graphs,tensorrt --modes '' --features-on '' \
+        --dtypes float32,bfloat16 --no-decoder-only
+      ;;
+    bench-modes)  # baseline, cuda-graphs x each decoder mode, then decoder-only per mode
+      gpu_bench modes --backends torch --modes eager,unrolled,full-graph --features-on '' --dtypes ''
+      ;;
+    bench-nemo)  # the NeMo peer alone; --merge with the others for the same-dtype ratios
+      gpu_bench nemo --no-baseline --backends '' --modes '' --features-on '' --dtypes '' \
+        --nemo-python python3 --nemo-dtypes float32,bfloat16
+      ;;
+    bench)
+      for s in bench-encoder bench-backends bench-modes bench-nemo; do stage "$s"; done
+      ;;
+    stream)
+      make_model
+      for n in 64 128 256; do
+        python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda \
+          --audio "$AUDIO" --json "$OUT/stream_$n.json" 2>&1 | tail -5
+      done | tee "$OUT/stream.log"
+      ;;
+    features)
+      make_model
+      python3 bench/features_device.py --model "$MODEL" --device cuda --audio "$AUDIO" \
+        --json "$OUT/features_device.json" 2>&1 | tee "$OUT/features.log"
+      # cuda-graphs/auto with features in the workers (the baseline here) vs on the device
+      python3 bench/gpu_bench.py --model "$MODEL" --audio "$AUDIO" --min-hours "$MIN_HOURS" --no-baseline \
+        --backends cuda-graphs --modes '' --features-on workers,device --dtypes '' --no-decoder-only \
+        --json "$OUT/gpu_bench_features.json" 2>&1 | tee -a "$OUT/features.log"
+      ;;
+    *) usage ;;
+  esac
+}
+stage "$STAGE"

@@ -36,6 +36,7 @@ for n in 1 2014 2_5 2_17 2_24 2_27 2_28 2_31 2_34 2_35 2_39; do
   case $n in 1|2014) PLAT="$PLAT --platform manylinux${n}_x86_64";; *) PLAT="$PLAT --platform manylinux_${n}_x86_64";; esac
 done
 for p in $OURS $NEMO; do
+  # shellcheck disable=SC2086  # $PLAT is a list of --platform options: split on purpose
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$KIT/whl" "$p"
 done
 # antlr4 (omegaconf's parser runtime) exists only as an sdist: build its pure-Python wheel here.
