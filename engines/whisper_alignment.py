@@ -63,17 +63,19 @@ class Aligner:
 
     @torch.inference_mode()
     def token_starts(self, cross_k: Tensor, cross_v: Tensor, texts: list[list[int]],
-                     frames: list[int]) -> list[np.ndarray]:
+                     frames: list[int], languages: list[int | None] | None = None) -> list[np.ndarray]:
         """cross_k / cross_v: [layers, B, heads, T_audio, d/heads], row r the audio of window r;
         texts: text token ids per row (no timestamps, no specials; [] skips the row); frames:
         mel frames of real audio per row (OpenAI's num_frames). -> per row, the start of each
         text token and of the <|endoftext|> after them (the end of the last one), in seconds:
-        float array [len(text) + 1] ([] for skipped rows)."""
+        float array [len(text) + 1] ([] for skipped rows). languages: each row's language
+        token, which takes the prompt's language slot (None, or no list: the prompt's own)."""
         rows = [r for r, t in enumerate(texts) if t]
+        languages = languages or [None] * len(texts)
         out = [np.zeros(0)] * len(texts)
         if not rows:
             return out
-        qk = self._forced_scores(cross_k, cross_v, texts[:rows[-1] + 1])
+        qk = self._forced_scores(cross_k, cross_v, texts[:rows[-1] + 1], languages[:rows[-1] + 1])
         p = len(self.prompt)
         matrices = []
         for r in rows:
@@ -89,14 +91,17 @@ class Aligner:
             out[r] = time_index[jumps] / FRAMES_PER_SECOND
         return out
 
-    def _forced_scores(self, cross_k: Tensor, cross_v: Tensor, texts: list[list[int]]) -> Tensor:
+    def _forced_scores(self, cross_k: Tensor, cross_v: Tensor, texts: list[list[int]],
+                       languages: list[int | None]) -> Tensor:
         """Teacher-forced pass of prompt + text + <|endoftext|> for rows 0..len(texts)-1 ->
         pre-softmax cross-attention scores of the alignment heads, float32
         [rows, n_alignment_heads, T_tokens, T_audio] (T_tokens: the longest row; shorter rows
         are padded after their <|endoftext|>, which the causal mask keeps out of their rows)."""
         dec, b = self.decoder, len(texts)
         dev = dec.embed.weight.device
-        seqs = [self.prompt + t + [self.eot] for t in texts]
+        # A row's language token (multilingual models) takes the prompt's language slot.
+        seqs = [(self.prompt if lang is None else [self.prompt[0], lang, *self.prompt[2:]]) + t + [self.eot]
+                for t, lang in zip(texts, languages)]
         t_max = max(len(s) for s in seqs)
         tokens = torch.tensor([s + [self.eot] * (t_max - len(s)) for s in seqs], device=dev)
         n_layers, d = self.last_layer + 1, dec.embed.weight.shape[1]

@@ -39,7 +39,7 @@ from engines.whisper_words import WindowSegment, split_segments, window_words
 class DecodeOptions:
     """Decoding settings (OpenAI / faster-whisper defaults)."""
 
-    language: str | None = "en"
+    language: str | None = "en"  # None: each window's own, detected as OpenAI's detect_language does
     timestamps: bool = True
     max_length: int = 448  # decoder positions, prompt included
     suppress_blank: bool = True
@@ -83,6 +83,7 @@ class WindowResult:
     token_logprobs: tuple[float, ...] = ()
     words: tuple[tuple[float, float, str, float], ...] = ()
     temperature: float = 0.0  # > 0: the temperature fallback's sample (`whisper_fallback`)
+    language: str | None = None  # the language code it was decoded in (None: an English-only model)
 
 
 class GreedyDecoder:
@@ -100,7 +101,11 @@ class GreedyDecoder:
         self.device = model.decoder.embed.weight.device
         self.suppress = tokenizer.suppress_tokens() if suppress_tokens is None else list(suppress_tokens)
         self.rules = Rules(tokenizer, options, self.suppress, model.dims.n_vocab, self.device)
+        # sot [language transcribe] [notimestamps]; with the language left to detection, "en"
+        # holds its place until `start` puts each window's own there.
         self.prompt = tokenizer.sot_sequence(options.language, options.timestamps)
+        self.languages = {i: code for code, i in tokenizer.languages.items()}  # token id -> code
+        self.detect_language = options.language is None and tokenizer.is_multilingual
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
         self.cpu_threads = DECODER_THREADS  # the token loops' threads on the CPU, until reserve() measures
@@ -189,15 +194,30 @@ class GreedyDecoder:
             self.stage_seconds.lap("words", t)
         return results
 
-    def start(self, cache: KVCache, n: int) -> tuple[Tensor, Tensor]:
+    def start(self, cache: KVCache, n: int, languages: list[str | None] | None = None
+              ) -> tuple[Tensor, Tensor, list[str | None]]:
         """Run the prompt for n windows into `cache` (cross K/V already there) -> the first
-        step's logits [n, V] fp32 and the no-speech probabilities [n] (CPU)."""
+        step's logits [n, V] fp32, the no-speech probabilities [n] (CPU) and each row's language.
+
+        With the language left to detection, <|startoftranscript|> runs alone first and each
+        row's language is the likeliest language token after it (OpenAI's `detect_language`,
+        whose forward pass is this one: the same position, audio and cache), unless `languages`
+        gives the rows' (the fallback keeps the greedy pass's); the rest of the prompt follows."""
         prompt = torch.tensor(self.prompt, device=self.device).expand(n, -1)
-        logits = self.model.decoder(prompt, cache)
+        if self.detect_language:
+            first = self.model.decoder(prompt[:, :1], cache)
+            if languages is None:
+                ids = torch.tensor(list(self.languages), device=self.device)
+                languages = [self.languages[i] for i in ids[first[:, 0, ids].argmax(-1)].tolist()]
+            chosen = torch.tensor([self.tok.language_token(c) for c in languages], device=self.device)
+            logits = torch.cat([first, self.model.decoder(torch.cat([chosen[:, None], prompt[:, 2:]], 1), cache)], 1)
+        else:
+            logits = self.model.decoder(prompt, cache)
+            languages = [self.languages.get(self.prompt[1]) if len(self.prompt) > 1 else None] * n
         no_speech = torch.zeros(n)
         if self.tok.no_speech >= 0:  # OpenAI reads it at the <|startoftranscript|> position
             no_speech = logits[:, 0].softmax(-1)[:, self.tok.no_speech].cpu()
-        return logits[:, -1], no_speech
+        return logits[:, -1], no_speech, languages
 
     def _greedy(self, audio: Tensor) -> tuple[list[WindowResult], KVCache, list[int]]:
         """audio: encoder states [B, n_audio_ctx, d] -> (results, the cache, the window whose
@@ -206,12 +226,13 @@ class GreedyDecoder:
         progress, no_speech = self.token_loop(cache, audio.shape[0])
         return self.results(progress, no_speech), cache, progress.order
 
-    def token_loop(self, cache: KVCache, n: int, sampler: Sampler | None = None) -> tuple[Progress, Tensor]:
+    def token_loop(self, cache: KVCache, n: int, sampler: Sampler | None = None,
+                   languages: list[str | None] | None = None) -> tuple[Progress, Tensor]:
         """The eager token loop over n rows of `cache` (cross K/V filled): greedy, or with
-        `sampler` drawing each token at a temperature.
+        `sampler` drawing each token at a temperature; languages: see `start`.
         -> (progress, no-speech probabilities)."""
-        logits, no_speech = self.start(cache, n)
-        state, progress = RuleState.new(n, self.device), Progress(n)
+        logits, no_speech, languages = self.start(cache, n, languages)
+        state, progress = RuleState.new(n, self.device), Progress(n, languages=languages)
         with decoder_threads(self.device, self.cpu_threads):
             for step in range(self.n_steps):
                 nxt, lp = self.rules.next_token(logits, state, sampler)
@@ -236,9 +257,9 @@ class GreedyDecoder:
         smaller batch bucket, they move to the front of the static buffers and its graph runs.
         -> (results, the window whose cross K/V each static row holds)."""
         n = audio.shape[0]
-        no_speech = static.load(audio)
+        no_speech, languages = static.load(audio)
         b = static.bucket(n)
-        progress, s0 = Progress(n, rows=b), 0
+        progress, s0 = Progress(n, rows=b, languages=languages), 0
         with decoder_threads(self.device, self.cpu_threads):
             while s0 < self.n_steps:
                 runner.run(b)
@@ -267,11 +288,12 @@ class GreedyDecoder:
         return cut
 
     def results(self, progress: Progress, no_speech: Tensor) -> list[WindowResult]:
-        return [self.window_result(out, lps, sum_lp, float(ns), looped) for out, lps, sum_lp, ns, looped
-                in zip(progress.out, progress.lps, progress.sum_lp, no_speech, progress.looped)]
+        return [self.window_result(out, lps, sum_lp, float(ns), looped, language=lang)
+                for out, lps, sum_lp, ns, looped, lang
+                in zip(progress.out, progress.lps, progress.sum_lp, no_speech, progress.looped, progress.languages)]
 
     def window_result(self, tokens: list[int], lps: list[float], sum_lp: float, no_speech: float,
-                      looped: bool, temperature: float = 0.0) -> WindowResult:
+                      looped: bool, temperature: float = 0.0, language: str | None = None) -> WindowResult:
         """One window's decoded tokens and their log-probabilities -> its WindowResult (text,
         segments; a loop's repeated tail trimmed; empty when it is silence)."""
         tok, opts = self.tok, self.opts
@@ -285,9 +307,10 @@ class GreedyDecoder:
         silent = (opts.no_speech_threshold is not None and no_speech > opts.no_speech_threshold
                   and not (opts.logprob_threshold is not None and avg_lp > opts.logprob_threshold))
         if silent:
-            return WindowResult("", (), tuple(tokens), avg_lp, no_speech, ratio, looped, lps, temperature=temperature)
+            return WindowResult("", (), tuple(tokens), avg_lp, no_speech, ratio, looped, lps,
+                                temperature=temperature, language=language)
         return WindowResult(text.strip(), self._segments(split_segments(tokens, tok)), tuple(tokens), avg_lp,
-                            no_speech, ratio, looped, lps, temperature=temperature)
+                            no_speech, ratio, looped, lps, temperature=temperature, language=language)
 
     def _segments(self, segments: list[WindowSegment]) -> tuple[tuple[float, float, str], ...]:
         """(start, end, text) of the segments with text."""
@@ -302,7 +325,9 @@ class GreedyDecoder:
         words as OpenAI moves them."""
         eot = self.tok.eot
         texts = [[t for t in results[w].tokens if t < eot] if w >= 0 and results[w].text else [] for w in order]
-        starts = self.aligner.token_starts(cross_k, cross_v, texts, [frames[w] if w >= 0 else 0 for w in order])
+        languages = [results[w].language if w >= 0 else None for w in order]
+        starts = self.aligner.token_starts(cross_k, cross_v, texts, [frames[w] if w >= 0 else 0 for w in order],
+                                           [self.tok.language_token(c) if c else None for c in languages])
         out = list(results)
         for r, w in enumerate(order):
             if not texts[r]:
@@ -310,7 +335,7 @@ class GreedyDecoder:
             res = results[w]
             lps = [lp for t, lp in zip(res.tokens, res.token_logprobs) if t < eot]
             segments, words = window_words(split_segments(res.tokens, self.tok), starts[r], lps, self.tok,
-                                           self.opts.language)
+                                           res.language)
             out[w] = replace(res, segments=self._segments(segments),
                              words=tuple((x.start, x.end, x.word.strip(), x.probability) for ws in words for x in ws))
         return out

@@ -143,29 +143,36 @@ class WhisperEngine:
 
     @property
     def runtime(self) -> str:
-        """How the model runs, for the one-line startup note: dtypes and the decoder mode."""
-        model = self.decoder.model
+        """How the model runs, for the one-line startup note: dtypes, the decoder mode and, for
+        multilingual models, the language (or auto)."""
+        model, dec = self.decoder.model, self.decoder
         name = {half: str(half.dtype).removeprefix("torch.") for half in (model.encoder, model.decoder)}
-        return f"encoder {name[model.encoder]}, decoder {name[model.decoder]} {self.decoder.mode}"
+        note = f"encoder {name[model.encoder]}, decoder {name[model.decoder]} {dec.mode}"
+        if dec.tok.is_multilingual:
+            note += f", language {dec.opts.language or 'auto'}"
+        return note
 
     @classmethod
-    def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto", dtype: str = "auto") -> "WhisperEngine":
-        """A registry name: `whisper-base` is the bundled model (dtype: see `from_checkpoint`)."""
+    def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto", dtype: str = "auto",
+             language: str = "en") -> "WhisperEngine":
+        """A registry name: `whisper-base` is the bundled model (dtype, language: see `from_checkpoint`)."""
         from engines.parakeet import pick_device
 
         if name != "whisper-base":
             raise ValueError(f"unknown Whisper model {name!r} (bundled: whisper-base)")
-        engine = cls.from_bundled(device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode)
+        engine = cls.from_bundled(device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode,
+                                  options=language_options(language))
         engine.name = name
         return engine
 
     @classmethod
     def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None,
-                  decoder_mode: str = "auto", dtype: str = "auto") -> "WhisperEngine":
+                  decoder_mode: str = "auto", dtype: str = "auto", language: str = "en") -> "WhisperEngine":
         """A local checkpoint (CT2 folder or model.bin, OpenAI .pt, HF safetensors file or folder)."""
         from engines.parakeet import pick_device
 
-        engine = cls.from_checkpoint(path, device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode)
+        engine = cls.from_checkpoint(path, device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode,
+                                     options=language_options(language))
         engine.name = name or str(path)
         return engine
 
@@ -192,7 +199,8 @@ class WhisperEngine:
                 res = _clip(res, sec)
                 segments = [Segment(text.strip(), a, b) for a, b, text in res.segments if text.strip()]
                 words = [Word(w, a, b, p) for a, b, w, p in res.words]
-                out.append(Result(text=res.text.strip(), words=words, segments=segments, tokens=list(res.tokens)))
+                out.append(Result(text=res.text.strip(), words=words, segments=segments, tokens=list(res.tokens),
+                                  language=res.language))
         return out
 
     @classmethod
@@ -275,6 +283,14 @@ class WhisperEngine:
     def transcribe_windows(self, windows: list) -> list[tuple[str, list[tuple[float, float, str]]]]:
         """(text, [(start_s, end_s, text), ...]) per window, times relative to the window start."""
         return [(r.text, list(r.segments)) for r in self.decode_windows(windows)]
+
+
+def language_options(language: str) -> DecodeOptions:
+    """`--language`: a language code of the model's vocabulary (en, de, ...; an unknown one fails
+    at load), or auto: each piece's own, detected as OpenAI's `detect_language` does. English-only
+    (.en) models take en or auto. auto misread 2 of 235 English files here (whisper-base: one as
+    Latin, still English text, one as Russian), hence en by default."""
+    return DecodeOptions(language=None if language == "auto" else language)
 
 
 def _clip(res: WindowResult, duration: float) -> WindowResult:

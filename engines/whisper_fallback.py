@@ -97,7 +97,8 @@ class Fallback:
                 group = todo[s:s + per_batch]
                 seeds = [sample_seed(results[w].tokens, ti, k) for w in group for k in range(opts.best_of)]
                 sampler = Sampler(temperature, seeds, cross_k.device)
-                tried_now = self._best_samples(cross_k, cross_v, [row_of[w] for w in group], sampler)
+                tried_now = self._best_samples(cross_k, cross_v, [row_of[w] for w in group], sampler,
+                                               [results[w].language for w in group])
                 for w, best in zip(group, tried_now):
                     tried[w].append(best)
             todo = [w for w in todo if needs_fallback(tried[w][-1], opts)]
@@ -108,17 +109,20 @@ class Fallback:
             out[w] = attempts[-1] if not needs_fallback(attempts[-1], opts) else last_resort(attempts)
         return out
 
-    def _best_samples(self, cross_k: Tensor, cross_v: Tensor, rows: list[int], sampler: Sampler) -> list[WindowResult]:
-        """Decode `best_of` samples of each window whose audio is in cross row `rows[i]`, with
-        `sampler` -> each window's winner. A window's samples share its cross K/V row."""
+    def _best_samples(self, cross_k: Tensor, cross_v: Tensor, rows: list[int], sampler: Sampler,
+                      languages: list[str | None]) -> list[WindowResult]:
+        """Decode `best_of` samples of each window whose audio is in cross row `rows[i]`, in
+        `languages[i]` (the greedy pass's), with `sampler` -> each window's winner. A window's
+        samples share its cross K/V row."""
         dec, k = self.decoder, self.decoder.opts.best_of
         idx = torch.tensor(rows, device=cross_k.device)
         layers, _, heads, _, d_head = cross_k.shape
         self_shape = (layers, len(rows) * k, dec.opts.max_length, heads * d_head)
         cache = KVCache(cross_k.new_empty(self_shape), cross_v.new_empty(self_shape),
                         cross_k.index_select(1, idx), cross_v.index_select(1, idx), group=k)
-        progress, no_speech = dec.token_loop(cache, len(rows) * k, sampler)
+        languages = [lang for lang in languages for _ in range(k)]  # each window's, for its k samples
+        progress, no_speech = dec.token_loop(cache, len(rows) * k, sampler, languages)
         score = [(not cut, lp / max(1, len(out))) for out, lp, cut in zip(progress.out, progress.sum_lp, progress.looped)]
         best = [max(range(s, s + k), key=score.__getitem__) for s in range(0, len(rows) * k, k)]
         return [dec.window_result(progress.out[j], progress.lps[j], progress.sum_lp[j], float(no_speech[j]),
-                                  progress.looped[j], sampler.temperature) for j in best]
+                                  progress.looped[j], sampler.temperature, progress.languages[j]) for j in best]

@@ -31,8 +31,9 @@ class Progress:
     buffer row -> window whose audio (cross K/V) it holds (`order`, -1: padding), each window's
     tokens, their log-probabilities and sum, and whether a repetition loop cut it."""
 
-    def __init__(self, n: int, rows: int | None = None):
+    def __init__(self, n: int, rows: int | None = None, languages: list[str | None] | None = None):
         self.rows = list(range(n)) + [-1] * ((rows or n) - n)  # extra rows: padding, never live
+        self.languages = list(languages) if languages is not None else [None] * n  # per window
         self.order = list(self.rows)
         self.out: list[list[int]] = [[] for _ in range(n)]
         self.lps: list[list[float]] = [[] for _ in range(n)]

@@ -103,17 +103,18 @@ class StaticDecoding:
 
     def load(self, audio: Tensor) -> Tensor:
         """Start a batch: cross K/V and the prompt (run eagerly, as `_greedy` does) into the
-        first n rows, fresh rule state, rows n.. done. Returns the no-speech probabilities."""
+        first n rows, fresh rule state, rows n.. done. Returns the no-speech probabilities and
+        each window's language (`GreedyDecoder.start`)."""
         n = audio.shape[0]
         cache = KVCache(self.self_k[:, :n], self.self_v[:, :n], self.cross_k[:, :n], self.cross_v[:, :n])
         self.text_decoder.project_audio(audio, cache.cross_k, cache.cross_v)
-        logits, no_speech = self.start(cache, n)
+        logits, no_speech, languages = self.start(cache, n)
         self.logits[:n].copy_(logits)
         self.state.reset()
         self.done.fill_(True)
         self.done[:n] = False
         self.step_no.zero_()
-        return no_speech
+        return no_speech, languages
 
     def step(self, b: int) -> None:
         """One token for rows 0..b-1: rules, argmax, record, then the model on it."""

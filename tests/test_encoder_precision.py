@@ -230,7 +230,7 @@ def test_loader_passes_the_dtype_to_whisper():
         bundled_base_dir()
     except WhisperWeightsError as e:
         pytest.skip(str(e))
-    assert load_engine("whisper-base", "cpu", dtype="bf16").runtime == "encoder bfloat16, decoder float32 eager"
+    assert load_engine("whisper-base", "cpu", dtype="bf16").runtime == "encoder bfloat16, decoder float32 eager, language en"
     with pytest.raises(ValueError, match="encoder dtype float16 is not supported on device cpu"):
         load_engine("whisper-base", "cpu", dtype="float16")
 

@@ -293,7 +293,7 @@ def test_cpu_modes_select_eager_and_log_explicit_requests(base, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
     assert messages == ["decoder mode eager (requested unrolled): device is cpu",
                         "decoder mode eager (requested full-graph): device is cpu"]
-    assert base.runtime == "encoder float32, decoder float32 eager"
+    assert base.runtime == "encoder float32, decoder float32 eager, language en"
     with pytest.raises(ValueError):
         dec.set_mode("fast")
 
@@ -307,7 +307,7 @@ def test_loader_passes_decoder_mode_to_whisper(caplog):
 
     with caplog.at_level(logging.WARNING, logger="transcribe"):
         engine = load_engine("whisper-base", "cpu", decoder_mode="unrolled", dtype="float32")
-    assert engine.runtime == "encoder float32, decoder float32 eager"
+    assert engine.runtime == "encoder float32, decoder float32 eager, language en"
     assert "decoder mode eager (requested unrolled): device is cpu" in [r.getMessage() for r in caplog.records]
     with pytest.raises(ValueError, match="encoder backend"):
         load_engine("whisper-base", "cpu", encoder_backend="tensorrt")

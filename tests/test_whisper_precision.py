@@ -38,8 +38,8 @@ def engines():
 
 
 def test_bf16_packs_the_audio_side_in_bf16_and_keeps_the_token_side_and_norms_fp32(engines):
-    assert engines["float32"].runtime == "encoder float32, decoder float32 eager"
-    assert engines["bf16"].runtime == "encoder bfloat16, decoder float32 eager"
+    assert engines["float32"].runtime == "encoder float32, decoder float32 eager, language en"
+    assert engines["bf16"].runtime == "encoder bfloat16, decoder float32 eager, language en"
     for name, want in (("float32", (torch.float32, torch.float32)), ("bf16", (torch.bfloat16, torch.float32))):
         model = engines[name].decoder.model
         for half, dtype in zip((model.encoder, model.decoder), want):

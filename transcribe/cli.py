@@ -28,6 +28,8 @@ DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (best the GPU sup
 DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: float16 on CUDA, bfloat16 on CPUs with bf16), float32, "
               "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
               "decoder staying float32), float16 (CUDA).")
+LANGUAGE_HELP = ("Whisper: the spoken language's code (default en; de, fr, ... as the model's vocabulary has them), "
+                 "or auto to detect it per piece (up to 30 s). Parakeet models take none.")
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
@@ -40,12 +42,12 @@ def _fail(message: str, code: int) -> typer.Exit:
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
-             words: bool = True):
+             words: bool = True, language: Optional[str] = None):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
-    `words`: an output shows word times (Whisper aligns words only then)."""
+    `words`: an output shows word times (Whisper aligns words only then). `language`: --language."""
     from engines.checkpoint import CheckpointError
     from engines.loader import load_engine
     from transcribe.inputs import InputError, discover, shard
@@ -78,7 +80,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     engine = None
     try:
         engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
-                             word_timestamps=words)
+                             word_timestamps=words, language=language)
     except (CheckpointError, ValueError, OSError) as e:
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
     finally:
@@ -108,6 +110,7 @@ def transcribe(
     decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
     features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import parse_formats
@@ -118,7 +121,7 @@ def transcribe(
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
-                                        features_on, dtype, batch_seconds, words="json" in formats)
+                                        features_on, dtype, batch_seconds, words="json" in formats, language=language)
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares))
@@ -145,13 +148,15 @@ def bench(
     decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
     features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
-                                             features_on, dtype, batch_seconds, words=False)  # bench writes txt
+                                             features_on, dtype, batch_seconds, words=False,  # bench writes txt
+                                             language=language)
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,

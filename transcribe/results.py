@@ -35,9 +35,11 @@ class Segment:
 
 @dataclass(frozen=True)
 class Result:
-    """Transcript of one utterance: text, word and segment timestamps, and the token ids."""
+    """Transcript of one utterance: text, word and segment timestamps, the token ids, and the
+    language it was transcribed in where the model says (Whisper's multilingual models)."""
 
     text: str
     words: list[Word] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    language: str | None = None

@@ -28,4 +28,15 @@ def stitch(parts: list[Result], offsets: list[float]) -> Result:
         words=[w for p in moved for w in p.words],
         segments=[s for p in moved for s in p.segments],
         tokens=[t for p in moved for t in p.tokens],
+        language=main_language(moved),
     )
+
+
+def main_language(parts: list[Result]) -> str | None:
+    """The language of most of the text (pieces may be detected apart: Whisper's --language
+    auto); the first piece's on a tie; None when no piece has one."""
+    chars: dict[str, int] = {}
+    for p in parts:
+        if p.language is not None:
+            chars[p.language] = chars.get(p.language, 0) + len(p.text.strip())
+    return max(chars, key=chars.__getitem__) if chars else None

@@ -42,6 +42,8 @@ def write_json(result) -> str:
         "segments": [{"text": s.text, "start": round(s.start, 3), "end": round(s.end, 3)} for s in result.segments],
         "words": [w.to_json() for w in result.words],
     }
+    if result.language is not None:
+        doc["language"] = result.language
     return json.dumps(doc, ensure_ascii=False, indent=1) + "\n"
 
 

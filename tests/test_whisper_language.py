@@ -1,0 +1,150 @@
+"""Whisper's language: fixed (`--language en`, the default) or detected per window (`auto`).
+
+Detection is OpenAI's `detect_language` (the logits after <|startoftranscript|> alone, the
+likeliest language token), folded into the prompt's first forward pass; each window is then
+decoded in its own language, in one batch with the others.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import NEMO_REF, SPEECH, bundled_whisper_fp32
+from engines.decode_graphs import DecodeMode
+from engines.whisper_decoding import DecodeOptions
+from engines.whisper_graph import WhisperGraphs
+from transcribe.results import Result, Word
+from transcribe.stitching import main_language, stitch
+from transcribe.writers import write_json
+from whisper_random import random_audio, random_decoder, random_vocab, random_whisper
+
+GREEDY = (0.0,)
+DETECT = DecodeOptions(language=None, max_length=60, temperatures=GREEDY)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_whisper()
+
+
+@pytest.fixture(scope="module")
+def audio(model):
+    return random_audio(model, 8, seed=2)  # windows detected as en and as de (checked below)
+
+
+def openai_detect_language(model, audio: torch.Tensor) -> list[str]:
+    """OpenAI's `detect_language`, written out: <|startoftranscript|> alone on a fresh cache,
+    every non-language logit masked, argmax."""
+    tok = random_vocab()
+    dec = model.decoder
+    logits = dec(torch.full((audio.shape[0], 1), tok.sot), dec.new_cache(audio, 1))[:, 0]
+    mask = torch.ones(logits.shape[-1], dtype=torch.bool)
+    mask[list(tok.languages.values())] = False
+    logits[:, mask] = -torch.inf
+    code = {i: c for c, i in tok.languages.items()}
+    return [code[i] for i in logits.argmax(-1).tolist()]
+
+
+@torch.inference_mode()
+def test_detected_language_is_openais_and_each_window_decodes_in_its_own(model, audio):
+    detected = random_decoder(model, DETECT).decode_audio(audio)
+    languages = [r.language for r in detected]
+    assert languages == openai_detect_language(model, audio)
+    assert set(languages) == {"en", "de"}  # a mixed batch: rows get different prompts
+    for code in set(languages):
+        fixed = random_decoder(model, DecodeOptions(language=code, max_length=60, temperatures=GREEDY))
+        forced = fixed.decode_audio(audio)
+        for w, r in enumerate(detected):
+            assert forced[w].language == code
+            if r.language == code:  # the same tokens as decoding in that language from the start
+                assert forced[w].tokens == r.tokens and forced[w].avg_logprob == pytest.approx(r.avg_logprob, abs=1e-5)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("mode", [DecodeMode.UNROLLED, DecodeMode.FULL_GRAPH])
+def test_static_path_detects_as_eager_does(model, audio, mode):
+    eager = random_decoder(model, DETECT).decode_audio(audio)
+    dec = random_decoder(model, DETECT)
+    dec.graphs = WhisperGraphs(dec, mode, capture=False)  # the graph modes' steps, uncaptured
+    static = dec.decode_audio(audio)
+    assert [r.language for r in static] == [r.language for r in eager]
+    assert [r.tokens for r in static] == [r.tokens for r in eager]
+
+
+@torch.inference_mode()
+def test_fallback_samples_keep_the_windows_language(model, audio, monkeypatch):
+    """Every window fails (logprob_threshold 0): each temperature samples it best_of times in
+    the language the greedy pass detected, and the winner carries it."""
+    greedy = random_decoder(model, DETECT).decode_audio(audio)
+    opts = DecodeOptions(language=None, max_length=60, logprob_threshold=0.0, temperatures=(0.0, 0.5), best_of=2)
+    dec = random_decoder(model, opts)
+    asked, token_loop = [], dec.token_loop
+    monkeypatch.setattr(dec, "token_loop", lambda *a, **k: (asked.append(a[3] if len(a) > 3 else None),
+                                                            token_loop(*a, **k))[1])
+    results = dec.decode_audio(audio)
+    # The greedy pass detects (None); the fallback samples 4 windows per pass, 2 rows each.
+    samples = [r.language for r in greedy for _ in range(2)]
+    assert asked == [None, samples[:8], samples[8:]]
+    assert [r.language for r in results] == [r.language for r in greedy]
+    assert any(r.temperature > 0 for r in results)
+
+
+def test_real_speech_detected_per_window_with_words():
+    """whisper-base hears test-other 2414-128291-0008 ("THOU ALSO THOU ALSO") as Russian: auto
+    transcribes it in Cyrillic, with words aligned in its language, while the English files
+    beside it in the batch stay English; `en` forces English."""
+    from engines.whisper_engine import language_options
+    from transcribe.audio import load_audio
+
+    engine = bundled_whisper_fp32(4)
+    files = ["jfk/jfk.flac", "librispeech_test_other/2414/2414-128291-0008.flac",
+             "librispeech_test_other/1688/1688-142285-0002.flac"]
+    wavs = [load_audio(SPEECH / f, 16000) for f in files]
+    fixed = engine.decoder
+    engine.decoder = type(fixed)(fixed.model, fixed.tok, language_options("auto"), fixed.suppress)
+    auto = engine.decode_windows(wavs, words=True)
+    assert [r.language for r in auto] == ["en", "ru", "en"]
+    assert any("\u0400" <= ch <= "\u04ff" for ch in auto[1].text)
+    assert auto[1].words and "".join(w[2] for w in auto[1].words) == auto[1].text.replace(" ", "")
+    (alone,) = engine.decode_windows(wavs[1:2], words=True)
+    assert (alone.text, alone.words) == (auto[1].text, auto[1].words)
+    engine.decoder = fixed
+    english = engine.decode_windows(wavs[1:2])[0]
+    assert english.language == "en" and english.text.isascii()
+    assert [r.text for r in engine.decode_windows(wavs[0::2])] == [auto[0].text, auto[2].text]
+
+
+def test_language_options_and_parakeet_refuses_a_language():
+    from engines.loader import load_engine
+    from engines.whisper_engine import language_options
+
+    assert language_options("auto").language is None and language_options("de").language == "de"
+    with pytest.raises(ValueError, match="--language is for Whisper models"):
+        load_engine(str(NEMO_REF / "tdt_tiny" / "model.nemo"), "cpu", language="de")
+
+
+def test_json_carries_the_language_and_a_stitched_file_takes_its_main_one():
+    short, long = Result("Ja.", language="de"), Result("A longer English piece.", [Word("A", 0.0, 0.1)], language="en")
+    assert main_language([short, long]) == "en" and main_language([Result("x")]) is None
+    assert main_language([Result("ab", language="de"), Result("cd", language="en")]) == "de"  # a tie: the first
+    joined = stitch([short, long], [0.0, 20.0])
+    assert joined.language == "en" and joined.words[0].start == 20.0
+    assert '"language": "en"' in write_json(joined)
+    assert "language" not in write_json(Result("parakeet text"))
+
+
+def test_cli_language_auto_writes_each_files_language(tmp_path):
+    from test_cli import run_cli
+
+    bundled_whisper_fp32(1)  # skips without the bundled model or the shared speech
+    files = [SPEECH / "jfk" / "jfk.flac", SPEECH / "librispeech_test_other/2414/2414-128291-0008.flac"]
+    proc = run_cli(*map(str, files), "--out", str(tmp_path), "--model", "whisper-base", "--language", "auto",
+                   "--format", "json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "language auto" in proc.stderr
+    assert json.loads((tmp_path / "jfk.json").read_text())["language"] == "en"
+    assert json.loads((tmp_path / "2414-128291-0008.json").read_text())["language"] == "ru"
+    bad = run_cli(str(files[0]), "--out", str(tmp_path / "x"), "--model", "whisper-base", "--language", "xx")
+    assert bad.returncode == 1 and "language='xx' is not in this vocabulary" in bad.stderr
