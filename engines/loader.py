@@ -52,7 +52,7 @@ def choose_model(model: str | None) -> str:
 
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
                 features_on: str = "auto", dtype: str = "auto", backend_options=None, word_timestamps: bool = True,
-                language: str | None = None):
+                language: str | None = None, task: str = "transcribe"):
     """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`. `decoder_mode` (auto,
     full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
@@ -66,12 +66,15 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     to Parakeet only: Whisper computes its features in the workers. `word_timestamps` applies to
     Whisper, whose word times take an extra alignment pass (engines/whisper_alignment.py);
     Parakeet's come with its decoding. `language` (a code, or auto: detected per piece; None:
-    en) is Whisper's; Parakeet models take none (v2 is English, v3 finds the language itself)."""
+    en) and `task` (transcribe, or translate into English) are Whisper's; Parakeet models take
+    no language (v2 is English, v3 finds the language itself) and only transcribe."""
     name = choose_model(model)
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
     if whisper and encoder_backend not in ("auto", "torch"):
         raise ValueError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
+    if not whisper and task != "transcribe":
+        raise ValueError(f"--task {task} is for Whisper models; {name} (Parakeet) only transcribes")
     if not whisper and language is not None:
         raise ValueError(f"--language is for Whisper models; {name} (Parakeet) takes no language "
                          "(English-only models, or, like parakeet-tdt-0.6b-v3, finding it themselves)")
@@ -81,14 +84,14 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine
 
-        engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en")
+        engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task)
         engine.word_timestamps = word_timestamps
         return engine
     if is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
         from engines.whisper_engine import WhisperEngine
 
         engine = WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name,
-                                         decoder_mode=decoder_mode, dtype=dtype, language=language or "en")
+                                         decoder_mode=decoder_mode, dtype=dtype, language=language or "en", task=task)
         engine.word_timestamps = word_timestamps
         return engine
     from engines.parakeet import ParakeetEngine

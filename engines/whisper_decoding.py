@@ -40,6 +40,7 @@ class DecodeOptions:
     """Decoding settings (OpenAI / faster-whisper defaults)."""
 
     language: str | None = "en"  # None: each window's own, detected as OpenAI's detect_language does
+    task: str = "transcribe"  # or "translate": into English (multilingual models)
     timestamps: bool = True
     max_length: int = 448  # decoder positions, prompt included
     suppress_blank: bool = True
@@ -103,7 +104,7 @@ class GreedyDecoder:
         self.rules = Rules(tokenizer, options, self.suppress, model.dims.n_vocab, self.device)
         # sot [language transcribe] [notimestamps]; with the language left to detection, "en"
         # holds its place until `start` puts each window's own there.
-        self.prompt = tokenizer.sot_sequence(options.language, options.timestamps)
+        self.prompt = tokenizer.sot_sequence(options.language, options.timestamps, options.task)
         self.languages = {i: code for code, i in tokenizer.languages.items()}  # token id -> code
         self.detect_language = options.language is None and tokenizer.is_multilingual
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
@@ -113,7 +114,7 @@ class GreedyDecoder:
         # encoder, decoder (cross K/V, prompt, greedy token loop), fallback, words: see decode()
         self.stage_seconds = StageTimes(self.device)
         heads = alignment_heads or default_alignment_heads(model.dims, None)
-        self.aligner = Aligner(model.decoder, heads, tokenizer.sot_sequence(options.language, timestamps=False),
+        self.aligner = Aligner(model.decoder, heads, tokenizer.sot_sequence(options.language, False, options.task),
                                tokenizer.eot)
 
     @property

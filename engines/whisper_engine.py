@@ -150,29 +150,32 @@ class WhisperEngine:
         note = f"encoder {name[model.encoder]}, decoder {name[model.decoder]} {dec.mode}"
         if dec.tok.is_multilingual:
             note += f", language {dec.opts.language or 'auto'}"
+            if dec.opts.task != "transcribe":
+                note += f", {dec.opts.task}"
         return note
 
     @classmethod
     def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto", dtype: str = "auto",
-             language: str = "en") -> "WhisperEngine":
+             language: str = "en", task: str = "transcribe") -> "WhisperEngine":
         """A registry name: `whisper-base` is the bundled model (dtype, language: see `from_checkpoint`)."""
         from engines.parakeet import pick_device
 
         if name != "whisper-base":
             raise ValueError(f"unknown Whisper model {name!r} (bundled: whisper-base)")
         engine = cls.from_bundled(device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode,
-                                  options=language_options(language))
+                                  options=language_options(language, task))
         engine.name = name
         return engine
 
     @classmethod
     def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None,
-                  decoder_mode: str = "auto", dtype: str = "auto", language: str = "en") -> "WhisperEngine":
+                  decoder_mode: str = "auto", dtype: str = "auto", language: str = "en",
+                  task: str = "transcribe") -> "WhisperEngine":
         """A local checkpoint (CT2 folder or model.bin, OpenAI .pt, HF safetensors file or folder)."""
         from engines.parakeet import pick_device
 
         engine = cls.from_checkpoint(path, device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode,
-                                     options=language_options(language))
+                                     options=language_options(language, task))
         engine.name = name or str(path)
         return engine
 
@@ -285,12 +288,13 @@ class WhisperEngine:
         return [(r.text, list(r.segments)) for r in self.decode_windows(windows)]
 
 
-def language_options(language: str) -> DecodeOptions:
+def language_options(language: str, task: str = "transcribe") -> DecodeOptions:
     """`--language`: a language code of the model's vocabulary (en, de, ...; an unknown one fails
     at load), or auto: each piece's own, detected as OpenAI's `detect_language` does. English-only
     (.en) models take en or auto. auto misread 2 of 235 English files here (whisper-base: one as
-    Latin, still English text, one as Russian), hence en by default."""
-    return DecodeOptions(language=None if language == "auto" else language)
+    Latin, still English text, one as Russian), hence en by default. `--task`: transcribe, or
+    translate into English (multilingual models; the language stays the spoken one)."""
+    return DecodeOptions(language=None if language == "auto" else language, task=task)
 
 
 def _clip(res: WindowResult, duration: float) -> WindowResult:

@@ -96,11 +96,16 @@ class WhisperTokenizer:
             raise ValueError(f"language={code!r} is not in this vocabulary ({len(langs)} languages)")
         return langs[code]
 
-    def sot_sequence(self, language: str | None = "en", timestamps: bool = True) -> list[int]:
-        """The decoder prompt: sot [lang transcribe] [notimestamps]."""
+    def sot_sequence(self, language: str | None = "en", timestamps: bool = True, task: str = "transcribe") -> list[int]:
+        """The decoder prompt: sot [lang task] [notimestamps]; task: transcribe, or translate
+        (into English; multilingual models only)."""
+        if task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be transcribe or translate, got {task!r}")
         seq = [self.sot]
         if self.is_multilingual:
-            seq += [self.language_token(language or "en"), self.transcribe]
+            seq += [self.language_token(language or "en"), self.transcribe if task == "transcribe" else self.translate]
+        elif task == "translate":
+            raise ValueError("an English-only model cannot translate: use a multilingual one")
         if not timestamps:
             seq.append(self.no_timestamps)
         return seq

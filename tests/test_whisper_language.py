@@ -148,3 +148,32 @@ def test_cli_language_auto_writes_each_files_language(tmp_path):
     assert json.loads((tmp_path / "2414-128291-0008.json").read_text())["language"] == "ru"
     bad = run_cli(str(files[0]), "--out", str(tmp_path / "x"), "--model", "whisper-base", "--language", "xx")
     assert bad.returncode == 1 and "language='xx' is not in this vocabulary" in bad.stderr
+    # Translating English speech into English keeps it English.
+    translated = run_cli(str(files[0]), "--out", str(tmp_path / "t"), "--model", "whisper-base", "--task", "translate",
+                         "--format", "txt", "--no-progress")
+    assert translated.returncode == 0 and "language en, translate" in translated.stderr
+    assert "ask not what your country can do for you" in (tmp_path / "t" / "jfk.txt").read_text().lower()
+
+
+@torch.inference_mode()
+def test_translate_task_takes_the_prompts_task_slot(model, audio):
+    from engines.loader import load_engine
+    from engines.whisper_tokenizer import WhisperTokenizer
+
+    tok = random_vocab()
+    de = tok.language_token("de")
+    assert tok.sot_sequence("de", False, "translate") == [tok.sot, de, tok.translate, tok.no_timestamps]
+    with pytest.raises(ValueError, match="task must be"):
+        tok.sot_sequence("de", task="summarise")
+    english_only = WhisperTokenizer(tuple(t for t in tok.tokens if t not in ("<|en|>", "<|de|>")))
+    with pytest.raises(ValueError, match="English-only model cannot translate"):
+        english_only.sot_sequence(None, task="translate")
+    translating = random_decoder(model, DecodeOptions(language=None, task="translate", max_length=60,
+                                                      temperatures=GREEDY))
+    assert translating.prompt[2] == tok.translate and translating.aligner.prompt[2] == tok.translate
+    transcribed = random_decoder(model, DETECT).decode_audio(audio)
+    translated = translating.decode_audio(audio, words=True)
+    assert [r.language for r in translated] == [r.language for r in transcribed]  # the spoken language
+    assert [r.tokens for r in translated] != [r.tokens for r in transcribed]
+    with pytest.raises(ValueError, match="--task translate is for Whisper models"):
+        load_engine(str(NEMO_REF / "tdt_tiny" / "model.nemo"), "cpu", task="translate")

@@ -30,6 +30,7 @@ DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Wh
               "decoder staying float32), float16 (CUDA).")
 LANGUAGE_HELP = ("Whisper: the spoken language's code (default en; de, fr, ... as the model's vocabulary has them), "
                  "or auto to detect it per piece (up to 30 s). Parakeet models take none.")
+TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
@@ -42,12 +43,13 @@ def _fail(message: str, code: int) -> typer.Exit:
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
-             words: bool = True, language: Optional[str] = None):
+             words: bool = True, language: Optional[str] = None, task: str = "transcribe"):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
-    `words`: an output shows word times (Whisper aligns words only then). `language`: --language."""
+    `words`: an output shows word times (Whisper aligns words only then). `language`, `task`:
+    --language, --task."""
     from engines.checkpoint import CheckpointError
     from engines.loader import load_engine
     from transcribe.inputs import InputError, discover, shard
@@ -80,7 +82,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     engine = None
     try:
         engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
-                             word_timestamps=words, language=language)
+                             word_timestamps=words, language=language, task=task)
     except (CheckpointError, ValueError, OSError) as e:
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
     finally:
@@ -111,6 +113,7 @@ def transcribe(
     features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
+    task: str = typer.Option("transcribe", "--task", help=TASK_HELP),
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import parse_formats
@@ -121,7 +124,8 @@ def transcribe(
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
-                                        features_on, dtype, batch_seconds, words="json" in formats, language=language)
+                                        features_on, dtype, batch_seconds, words="json" in formats, language=language,
+                                        task=task)
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares))
