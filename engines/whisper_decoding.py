@@ -102,10 +102,11 @@ class GreedyDecoder:
         self.device = model.decoder.embed.weight.device
         self.suppress = tokenizer.suppress_tokens() if suppress_tokens is None else list(suppress_tokens)
         self.rules = Rules(tokenizer, options, self.suppress, model.dims.n_vocab, self.device)
-        # sot [language transcribe] [notimestamps]; with the language left to detection, "en"
-        # holds its place until `start` puts each window's own there.
+        # sot [language task] [notimestamps]; with the language left to detection, "en" holds
+        # its place until `start` puts each window's own there.
         self.prompt = tokenizer.sot_sequence(options.language, options.timestamps, options.task)
-        self.languages = {i: code for code, i in tokenizer.languages.items()}  # token id -> code
+        self.language_ids = tokenizer.languages  # code -> token id
+        self.languages = {i: code for code, i in self.language_ids.items()}  # token id -> code
         self.detect_language = options.language is None and tokenizer.is_multilingual
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
@@ -210,7 +211,7 @@ class GreedyDecoder:
             if languages is None:
                 ids = torch.tensor(list(self.languages), device=self.device)
                 languages = [self.languages[i] for i in ids[first[:, 0, ids].argmax(-1)].tolist()]
-            chosen = torch.tensor([self.tok.language_token(c) for c in languages], device=self.device)
+            chosen = torch.tensor([self.language_ids[c] for c in languages], device=self.device)
             logits = torch.cat([first, self.model.decoder(torch.cat([chosen[:, None], prompt[:, 2:]], 1), cache)], 1)
         else:
             logits = self.model.decoder(prompt, cache)
@@ -328,7 +329,7 @@ class GreedyDecoder:
         texts = [[t for t in results[w].tokens if t < eot] if w >= 0 and results[w].text else [] for w in order]
         languages = [results[w].language if w >= 0 else None for w in order]
         starts = self.aligner.token_starts(cross_k, cross_v, texts, [frames[w] if w >= 0 else 0 for w in order],
-                                           [self.tok.language_token(c) if c else None for c in languages])
+                                           [self.language_ids[c] if c else None for c in languages])
         out = list(results)
         for r, w in enumerate(order):
             if not texts[r]:

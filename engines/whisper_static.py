@@ -101,7 +101,7 @@ class StaticDecoding:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def load(self, audio: Tensor) -> Tensor:
+    def load(self, audio: Tensor) -> tuple[Tensor, list[str | None]]:
         """Start a batch: cross K/V and the prompt (run eagerly, as `_greedy` does) into the
         first n rows, fresh rule state, rows n.. done. Returns the no-speech probabilities and
         each window's language (`GreedyDecoder.start`)."""
