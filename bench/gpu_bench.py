@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import traceback
@@ -53,6 +52,7 @@ from engines.parakeet import ParakeetEngine  # noqa: E402
 from transcribe.inputs import discover  # noqa: E402
 from transcribe.pipeline import run  # noqa: E402
 from transcribe.workers import Prespawned, default_workers  # noqa: E402
+from transcribe.writers import atomic_write_text  # noqa: E402
 
 BASELINE = ("torch", "eager", "workers", "float32")
 
@@ -180,15 +180,10 @@ def nemo_peer(a, manifest: Path, out: Path, dtype: str) -> dict | None:
 
 
 def write_report(path: str | None, report: dict) -> None:
-    """Rewrite `path` with the report so far: a temporary file beside it, then os.replace, so a
-    reader (or a run killed mid-write) never sees a half-written file."""
-    if not path:
-        return
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, dest)
+    """Rewrite `path` with the report so far, atomically (a run killed mid-write leaves the
+    previous report whole)."""
+    if path:
+        atomic_write_text(Path(path), json.dumps(report, indent=1) + "\n")
 
 
 def summarise(report: dict) -> None:

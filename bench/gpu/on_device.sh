@@ -125,9 +125,8 @@ stage() {
       python3 bench/features_device.py --model "$MODEL" --device cuda --audio "$AUDIO" \
         --json "$OUT/features_device.json" 2>&1 | tee "$OUT/features.log"
       # cuda-graphs/auto with features in the workers (the baseline here) vs on the device
-      python3 bench/gpu_bench.py --model "$MODEL" --audio "$AUDIO" --min-hours "$MIN_HOURS" --no-baseline \
-        --backends cuda-graphs --modes '' --features-on workers,device --dtypes '' --no-decoder-only \
-        --json "$OUT/gpu_bench_features.json" 2>&1 | tee -a "$OUT/features.log"
+      gpu_bench features --no-baseline --backends cuda-graphs --modes '' --features-on workers,device --dtypes '' \
+        --no-decoder-only
       ;;
     *) usage ;;
   esac
