@@ -212,7 +212,7 @@ class KVCache:
         return self.cross_k[i, :rows], self.cross_v[i, :rows]
 
     def keep(self, perm: list[int], n: int) -> None:
-        """Rows perm[:n] (live, ascending) continue as rows 0..n-1. The cross K/V rows are
+        """Rows perm[:n] (the live ones) continue as rows 0..n-1. The cross K/V rows are
         permuted whole (new row i = old row perm[i]) so finished windows' audio stays for the word
         alignment; self K/V only need the live rows. Rows already in place are not copied."""
         if self.group != 1:

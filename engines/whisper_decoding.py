@@ -35,6 +35,11 @@ from engines.whisper_tokenizer import WhisperTokenizer
 from engines.whisper_words import WindowSegment, split_segments, window_words
 
 
+# The eager loop compacts its rows once at most this share of them is live: each step then costs
+# the live rows only, while a compaction copies a few rows' cross K/V (`Progress.keep`).
+COMPACT_AT = 0.75
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """Decoding settings (OpenAI / faster-whisper defaults)."""
@@ -245,9 +250,10 @@ class GreedyDecoder:
                 if not live or step + 1 == self.n_steps:
                     break
                 # Compact: finished rows stop costing compute (not rows that share their audio).
-                if len(live) <= 0.75 * len(progress.rows) and cache.group == 1:
-                    cache.keep(progress.keep(live, len(live)), len(live))
-                    keep = torch.tensor(live, device=self.device)
+                if len(live) <= COMPACT_AT * len(progress.rows) and cache.group == 1:
+                    perm = progress.keep(live, len(live))
+                    cache.keep(perm, len(live))
+                    keep = torch.tensor(perm[:len(live)], device=self.device)
                     state, nxt = state.select(keep), nxt[keep]
                 logits = self.model.decoder(nxt[:, None], cache)[:, 0]
         return progress, no_speech

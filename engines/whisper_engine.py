@@ -188,22 +188,27 @@ class WhisperEngine:
         return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in pieces])
 
     def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]:
-        """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s)."""
-        out: list[Result] = []
-        for s in range(0, len(features), self.batch_size):
-            chunk = features[s:s + self.batch_size]
+        """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s).
+
+        Longest first, as `decode_windows`: rows then finish roughly from the last one up, and
+        the token loop's compaction (`Progress.keep`) has fewer rows to move."""
+        out: list[Result | None] = [None] * len(features)
+        order = sorted(range(len(features)), key=lambda i: -features[i].shape[1])
+        for s in range(0, len(order), self.batch_size):
+            idx = order[s:s + self.batch_size]
+            chunk = [features[i] for i in idx]
             t0 = time.perf_counter()
             mel = torch.stack([pad_window(f) for f in chunk])  # copies out of shared memory
             seconds = [frames_to_seconds(f.shape[1]) for f in chunk]
             frames = [audio_frames(round(s * SAMPLE_RATE)) for s in seconds]
             self.stage_seconds.lap("batch", t0)
             results = self.decoder.decode(mel, frames, words=self.word_timestamps)
-            for sec, res in zip(seconds, results):
+            for i, sec, res in zip(idx, seconds, results):
                 res = _clip(res, sec)
                 segments = [Segment(text.strip(), a, b) for a, b, text in res.segments if text.strip()]
                 words = [Word(w, a, b, p) for a, b, w, p in res.words]
-                out.append(Result(text=res.text.strip(), words=words, segments=segments, tokens=list(res.tokens),
-                                  language=res.language))
+                out[i] = Result(text=res.text.strip(), words=words, segments=segments, tokens=list(res.tokens),
+                                language=res.language)
         return out
 
     @classmethod

@@ -57,11 +57,19 @@ class Progress:
         return [r for r, w in enumerate(self.rows) if w >= 0]
 
     def keep(self, live: list[int], width: int) -> list[int]:
-        """The live rows (ascending) move to the front, `width` rows stay in use; the others
-        follow them in order, so every window's audio stays in the caches for the word
-        alignment. -> the permutation: new row i holds old row perm[i] (len(order) rows)."""
-        moved = set(live)
-        perm = live + [r for r in range(len(self.order)) if r not in moved]
+        """Rows `live` move to the front, `width` rows stay in use. Each live row past the front
+        swaps with a finished row inside it and every other row stays where it is, so a
+        compaction copies two cache rows per swap: moving the live rows up in order moved every
+        row after the first finished one (the cross K/V, 18 MB a row for whisper-base, are the
+        bulk: 4.3 s of test-other's 19.8 s of decoding). Finished rows keep their audio for the
+        fallback and the word alignment. -> the permutation: new row i holds old row perm[i]
+        (len(order) rows; perm[:len(live)] are the live rows, in no particular order)."""
+        n, live_set = len(live), set(live)
+        holes = [r for r in range(n) if r not in live_set]
+        movers = [r for r in live if r >= n]
+        perm = list(range(len(self.order)))
+        for h, m in zip(holes, movers):
+            perm[h], perm[m] = m, h
         self.order = [self.order[r] for r in perm]
-        self.rows = [self.rows[r] for r in live] + [-1] * (width - len(live))
+        self.rows = [self.rows[r] for r in perm[:n]] + [-1] * (width - n)
         return perm

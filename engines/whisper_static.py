@@ -157,7 +157,7 @@ class StaticDecoding:
         return self.host_tokens[s0:s1, :b].tolist(), self.host_logprobs[s0:s1, :b].tolist()
 
     def keep(self, perm: list[int], n: int, positions: int) -> None:
-        """Rows perm[:n] (live, ascending) continue as rows 0..n-1 of every per-row buffer; self
+        """Rows perm[:n] (the live ones) continue as rows 0..n-1 of every per-row buffer; self
         K/V only up to the positions filled. Cross K/V rows are permuted whole (new row i = old
         row perm[i]), so finished windows' audio stays for the word alignment. Tokens and
         log-probabilities are already on the host."""

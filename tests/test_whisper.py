@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder
-from engines.whisper_progress import compression_ratio, trim_repetition
+from engines.whisper_progress import Progress, compression_ratio, trim_repetition
 from engines.whisper_rules import RuleState, Rules
 from engines.whisper_tokenizer import WhisperTokenizer, load_tokenizer
 from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
@@ -133,6 +133,22 @@ def test_repetition_helpers():
     assert trim_repetition([1, 2, 3, 4, 5, 6]) == [1, 2, 3, 4, 5, 6]
     assert trim_repetition([9, 1, 2, 1, 2, 1, 2, 1, 2]) == [9, 1, 2]
     assert compression_ratio("the cat " * 50) > 2.4 > compression_ratio("And so my fellow Americans, ask not.")
+
+
+
+def test_compaction_swaps_the_fewest_rows():
+    """Live rows past the front swap with finished rows inside it, nothing else moves; the host
+    maps keep following their windows, finished windows' audio stays in some row."""
+    progress = Progress(6)
+    progress.rows = [0, -1, 2, -1, 4, 5]  # windows 1 and 3 finished
+    perm = progress.keep([0, 2, 4, 5], 4)
+    assert perm == [0, 4, 2, 5, 1, 3]  # two swaps: 4 rows copied, not the 5 from row 1 on
+    assert progress.rows == [0, 4, 2, 5] and progress.order == [0, 4, 2, 5, 1, 3]
+    perm = progress.keep([0, 1, 2], 3)  # window 5 (row 3) finished: rows 0..2 stay put
+    assert perm == list(range(6)) and progress.rows == [0, 4, 2]
+    perm = progress.keep([2], 2)  # one live row at the back of a 2-wide bucket
+    assert perm[0] == 2 and sorted(perm) == list(range(6)) and progress.rows == [2, -1]
+    assert sorted(progress.order) == list(range(6))
 
 
 CLIPS = [("jfk/jfk.flac", "And so my fellow Americans, ask not what your country can do for you, "
