@@ -151,7 +151,9 @@ class PredictionNetwork(nn.Module):
     def __init__(self, cfg: TransducerConfig):
         super().__init__()
         self.prediction = nn.ModuleDict({
-            "embed": nn.Embedding(cfg.vocab_size + 1, cfg.pred_hidden),
+            # Built on the meta device: from_pretrained skips nn.Embedding's normal_ init,
+            # which on meta imports torch._dynamo (1.3-2.5 s of every model load).
+            "embed": nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size + 1, cfg.pred_hidden), freeze=False),
             "dec_rnn": _DecRNN(cfg.pred_hidden, cfg.pred_rnn_layers),
         })
 

@@ -272,7 +272,8 @@ class TextDecoder(nn.Module):
     def __init__(self, dims: WhisperDims):
         super().__init__()
         d = dims.n_text_state
-        self.embed = nn.Embedding(dims.n_vocab, d)
+        # from_pretrained: no normal_ init, which on the meta device imports torch._dynamo (~1.5 s)
+        self.embed = nn.Embedding.from_pretrained(torch.empty(dims.n_vocab, d), freeze=False)
         self.register_buffer("pos", torch.empty(dims.n_text_ctx, d))
         self.layers = nn.ModuleList(DecoderLayer(d, dims.n_text_head) for _ in range(dims.n_text_layer))
         self.ln = LayerNorm(d)

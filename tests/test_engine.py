@@ -55,3 +55,24 @@ def test_consumed_state_builds_the_same_encoder_and_is_emptied():
     feats = torch.from_numpy(ref.array("features", 0))[None]
     with torch.inference_mode():
         assert torch.equal(kept(feats, torch.tensor([feats.shape[2]]))[0], consumed(feats, torch.tensor([feats.shape[2]]))[0])
+
+
+@needs_shared
+def test_loading_models_does_not_import_torch_dynamo():
+    """Building on the meta device must not run nn.Embedding's normal_ init, whose meta kernel
+    imports torch._dynamo: that import cost 1.3-2.5 s of every model load. A fresh interpreter
+    loads a Parakeet fixture and the bundled Whisper, then looks."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys\n"
+            "from engines.parakeet import ParakeetEngine\n"
+            "from engines.whisper_engine import WhisperEngine\n"
+            f"ParakeetEngine.from_nemo({str(Reference('tdt_tiny').nemo)!r}, 'cpu')\n"
+            "WhisperEngine.from_bundled()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
