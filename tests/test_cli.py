@@ -85,6 +85,24 @@ def test_usage_and_nothing_to_do_exit_codes(tmp_path):
 
 
 @needs_shared
+def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
+    """An --out (or bench --json folder) with a file in the way exits 1 naming it, before any
+    model is loaded (the model path here does not exist: loading it would fail differently)."""
+    audio = str(Reference("tdt_tiny").audio_path(0))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    for args in ([audio, "--out", str(blocker)], [audio, "--out", str(blocker / "sub")],
+                 ["bench", audio, "--json", str(blocker / "r.json")],
+                 ["merge", str(tmp_path), "--out", str(blocker)]):
+        if args[0] == "merge":
+            (tmp_path / "results.jsonl").write_text("")
+        p = run_cli(*args, "--model", str(tmp_path / "no.nemo")) if args[0] != "merge" else run_cli(*args)
+        assert p.returncode == 1, (args, p.stderr)
+        assert str(blocker) in p.stderr and "cannot write there" in p.stderr and "Traceback" not in p.stderr
+    assert blocker.read_text() == "keep me"
+
+
+@needs_shared
 def test_encoder_backend_and_decoder_mode_options(tmp_path):
     """Bad names are usage errors; a graph decoder mode on the CPU falls back to eager (said
     once on stderr) with NeMo's transcript; a GPU-only encoder backend on the CPU is refused."""

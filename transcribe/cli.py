@@ -2,7 +2,7 @@
 
 Exit status (a contract other tools rely on): 0 every file transcribed; 3 some files failed
 (the rest are done, failures are in results.jsonl); 1 nothing could run (no model, no
-inputs); 2 usage error. Stopped by SIGINT / SIGTERM: 130 / 143 (128 + the signal, as a shell
+inputs, an output folder that cannot be written); 2 usage error. Stopped by SIGINT / SIGTERM: 130 / 143 (128 + the signal, as a shell
 reports it), with every file finished so far written; rerunning the command resumes.
 """
 from __future__ import annotations
@@ -38,6 +38,18 @@ MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. D
 def _fail(message: str, code: int) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def _writable_folder(folder: Path, option: str) -> None:
+    """Create `folder` and write a probe file in it: an --out or --json that cannot be written
+    (a file in the way, no permission, a read-only disk) fails here, before the model loads,
+    not after the whole run with a traceback."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise _fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
 
 
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
@@ -122,6 +134,7 @@ def transcribe(
         formats = parse_formats(fmt)
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
+    _writable_folder(out, "--out")
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words="json" in formats, language=language,
@@ -157,6 +170,10 @@ def bench(
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
+    if out is not None:
+        _writable_folder(out, "--out")
+    if json_path is not None:
+        _writable_folder(json_path.parent, "--json")
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
@@ -185,6 +202,7 @@ def merge(
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
         raise _fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
+    _writable_folder(out, "--out")
     merged: dict[str, dict] = {}
     for d in shard_dirs:
         for r in read_results(d / "results.jsonl"):
