@@ -77,6 +77,34 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
     assert "2 already done" in p2.stderr
 
 
+@needs_shared
+def test_file_names_that_are_not_utf8_are_transcribed_logged_and_resumed(tmp_path):
+    """A name with a Latin-1 byte (os.fsdecode keeps it as a lone surrogate) once crashed the
+    whole run in soundfile's strict UTF-8 encoding of the path. Now it transcribes like any
+    other file, its results line is valid UTF-8 JSON that reads back to the same name, and a
+    rerun finds it done. A garbage .mp3 fails alone with a reason that is not libsndfile's
+    misleading "File does not exist"."""
+    ref = Reference("tdt_tiny")
+    inp = tmp_path / "in"
+    inp.mkdir()
+    latin1 = os.path.join(os.fsencode(inp), b"caf\xe9.flac")
+    with open(latin1, "wb") as f:
+        f.write(ref.audio_path(0).read_bytes())
+    (inp / "garbage.mp3").write_bytes(bytes(range(256)) * 20)
+    out = tmp_path / "out"
+    p = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out))
+    assert p.returncode == 3, p.stderr
+    assert "Traceback" not in p.stderr
+    raw = (out / "results.jsonl").read_bytes()
+    rows = {os.fsencode(r["audio_filepath"]): r for r in map(json.loads, raw.decode("utf-8").splitlines())}
+    assert rows[latin1]["status"] == "ok" and rows[latin1]["text"] == ref.files[0]["transcribe_text"]
+    assert os.path.exists(os.path.join(os.fsencode(out), b"caf\xe9.txt"))
+    garbage = rows[os.fsencode(inp / "garbage.mp3")]
+    assert garbage["status"] == "error" and "does not exist" not in garbage["error"], garbage["error"]
+    p2 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out))
+    assert "1 already done" in p2.stderr, p2.stderr
+
+
 def test_usage_and_nothing_to_do_exit_codes(tmp_path):
     assert run_cli(str(tmp_path), "--format", "docx").returncode == 2
     assert run_cli(str(tmp_path)).returncode == 1  # an empty folder: no inputs

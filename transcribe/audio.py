@@ -40,9 +40,18 @@ def _check_path(path: str | os.PathLike) -> Path:
     return p
 
 
+def sndfile_path(p: Path) -> bytes:
+    """The path as soundfile should get it: it encodes a str path strictly as UTF-8, so a file
+    name that is not valid UTF-8 failed to open; os.fsencode gives back the name's own bytes."""
+    return os.fsencode(p)
+
+
 def _open_error(p: Path, e: Exception) -> AudioError:
-    # libsndfile prefixes its messages with "Error opening '<path>': "; keep only the cause.
-    msg = str(e).split(": ", 1)[-1] if str(p) in str(e) else str(e)
+    # libsndfile prefixes its messages with "Error opening <path>: "; keep only the cause.
+    msg = str(e).split(": ", 1)[-1] if str(e).startswith("Error opening ") else str(e)
+    if msg.startswith("File does not exist or is not a regular file"):
+        # libsndfile's answer when its MP3 decoder finds no frame; `_check_path` saw the file.
+        msg = "no audio frames found: corrupt, or not the format its extension says"
     return AudioError(p, f"not a readable audio file ({msg.strip()})")
 
 
@@ -54,7 +63,7 @@ def audio_info(path: str | os.PathLike) -> tuple[float, int, int]:
     """
     p = _check_path(path)
     try:
-        info = sf.info(str(p))
+        info = sf.info(sndfile_path(p))
     except (sf.SoundFileError, OSError) as e:
         raise _open_error(p, e) from e
     if info.channels <= 0:
@@ -67,7 +76,7 @@ def audio_info(path: str | os.PathLike) -> tuple[float, int, int]:
 def _decode(p: Path) -> tuple[np.ndarray, int]:
     """All samples as float32 [frames, channels] and the file's sample rate (Hz)."""
     try:
-        with sf.SoundFile(str(p)) as f:
+        with sf.SoundFile(sndfile_path(p)) as f:
             if f.channels <= 0:
                 raise AudioError(p, f"unsupported channel count {f.channels}")
             if f.samplerate <= 0:

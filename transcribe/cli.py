@@ -196,8 +196,7 @@ def merge(
     shard_dirs: List[Path] = typer.Argument(..., help="The --out folders of the shard runs."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
 ) -> None:
-    from transcribe.writers import atomic_write_text, read_results
-    import json
+    from transcribe.writers import atomic_write_text, read_results, results_line
 
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
@@ -209,7 +208,7 @@ def merge(
             old = merged.get(r["audio_filepath"])
             if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
                 merged[r["audio_filepath"]] = r
-    atomic_write_text(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()))
+    atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged.values()))
     failed = sum(r.get("status") != "ok" for r in merged.values())
     typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards, {failed} failed -> {out / 'results.jsonl'}", err=True)
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)

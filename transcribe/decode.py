@@ -19,7 +19,7 @@ import soundfile as sf
 import soxr
 
 # _check_path / _open_error: the same file checks and libsndfile messages as load_audio.
-from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error
+from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error, sndfile_path
 
 AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
@@ -98,7 +98,7 @@ class _SoundfileSource:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._f = sf.SoundFile(str(path))
+            self._f = sf.SoundFile(sndfile_path(path))
         except (sf.SoundFileError, OSError) as e:
             raise _open_error(path, e) from e
         self.rate, self.channels, self.frames = int(self._f.samplerate), int(self._f.channels), int(self._f.frames)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from transcribe.inputs import InputFile
 from transcribe.shm import sweep_stale
-from transcribe.writers import atomic_write_text, read_results
+from transcribe.writers import atomic_write_text, read_results, results_line
 
 _TEMP_OUTPUT = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")  # writers.atomic_write_text's temp names
 
@@ -41,7 +41,7 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool) -> tuple[li
                 done.add(str(p))
     keep = [r for r in records if r["audio_filepath"] not in todo_paths or r["audio_filepath"] in done]
     if len(keep) != len(records):
-        atomic_write_text(log_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep))
+        atomic_write_text(log_path, "".join(results_line(r) for r in keep))
     todo = [f for f in files if str(f.path) not in done]
     return todo, len(files) - len(todo)
 

@@ -109,6 +109,18 @@ def write_outputs(result, out_stem: Path, formats: list[str]) -> None:
         atomic_write_text(out_stem.with_name(out_stem.name + "." + fmt), WRITERS[fmt](result))
 
 
+def results_line(record: dict) -> str:
+    """One results.jsonl line. UTF-8 text as is; a record holding a file name that is not valid
+    UTF-8 (Python keeps its bytes as lone surrogates, os.fsdecode) is written with \\u escapes,
+    so the log stays valid UTF-8 JSON and reading it back gives the same name."""
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(record)
+    return line + "\n"
+
+
 class ResultsLog:
     """`results.jsonl`, appended one complete line per file and flushed at once."""
 
@@ -119,7 +131,7 @@ class ResultsLog:
         self._f = open(path, "a", encoding="utf-8")
 
     def append(self, record: dict) -> None:
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._f.write(results_line(record))
         self._f.flush()
         os.fsync(self._f.fileno())
 
