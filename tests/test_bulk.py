@@ -202,6 +202,51 @@ def test_a_crashed_or_hung_worker_fails_its_file_and_the_job_goes_on(tmp_path):
     _assert_clean(out)
 
 
+def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_path, monkeypatch):
+    """An output name over the file system's 255 bytes fails that file alone, with the reason.
+    A full disk (ENOSPC from the writer at the third file) stops the run with OutputStopped:
+    the files finished before keep their outputs and log lines, nothing is left half-written,
+    and the rerun resumes after them."""
+    import errno
+
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 5)
+    long = inp / ("x" * 251 + ".wav")  # its transcript, "x" * 251 + ".json", is 256 bytes
+    sf.write(long, sf.read(inp / "f00.flac")[0], 16000)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    stats = pipeline.run(engine, discover([str(inp)]), out, ["txt", "json"], workers=1)
+    rows = {Path(r["audio_filepath"]).name: r for r in _rows(out)}
+    assert (stats.files_ok, stats.files_failed) == (5, 1) and len(rows) == 6
+    assert rows[long.name]["status"] == "error" and "cannot write its transcript" in rows[long.name]["error"]
+    assert "File name too long" in rows[long.name]["error"]
+    _assert_clean(out)
+
+    out2, calls = tmp_path / "out2", []
+    real_write = pipeline.write_outputs
+
+    def filling_disk(result, stem, formats):
+        calls.append(stem)
+        if len(calls) >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(stem) + ".txt")
+        real_write(result, stem, formats)
+
+    long.unlink()
+    monkeypatch.setattr(pipeline, "write_outputs", filling_disk)
+    with pytest.raises(pipeline.OutputStopped, match="No space left on device"):
+        pipeline.run(engine, discover([str(inp)]), out2, ["txt", "json"], workers=1)
+    done = _rows(out2)
+    assert len(done) == 2 and all(r["status"] == "ok" for r in done)
+    assert sorted(p.name for p in out2.glob("*.txt")) == sorted(Path(r["audio_filepath"]).stem + ".txt" for r in done)
+    _assert_clean(out2)
+    monkeypatch.setattr(pipeline, "write_outputs", real_write)
+    stats = pipeline.run(engine, discover([str(inp)]), out2, ["txt", "json"], workers=1)
+    assert (stats.files_skipped, stats.files_ok, len(_rows(out2))) == (2, 3, 5)
+
+
 def _start_and_kill(inp: Path, out: Path, model: str, group: bool, min_lines: int) -> list[int]:
     p = _cli(str(inp), "--model", model, "--out", str(out), "--format", "txt,json", "--batch-seconds", "10",
              "--workers", "2", start_new_session=group)

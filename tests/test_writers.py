@@ -49,6 +49,26 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
     assert os.listdir(tmp_path) == ["a.txt"]  # no temporary left behind
 
 
+def test_outputs_get_the_umask_mode_and_long_names_fit(tmp_path, monkeypatch):
+    """mkstemp makes its files 0600: renamed into place, transcripts were unreadable to the
+    group; they get a plain open()'s mode now. A final name of 255 bytes fits: the temporary
+    name takes only the first 32 characters of it."""
+    import transcribe.writers as w
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert w.FILE_MODE == 0o666 & ~umask
+    p = tmp_path / "a.txt"
+    atomic_write_text(p, "x\n")
+    assert p.stat().st_mode & 0o777 == w.FILE_MODE
+    monkeypatch.setattr(w, "FILE_MODE", 0o640)
+    atomic_write_text(p, "y\n")
+    assert p.stat().st_mode & 0o777 == 0o640
+    long = tmp_path / ("n" * 250 + ".json")
+    atomic_write_text(long, "{}\n")
+    assert long.read_text() == "{}\n" and sorted(os.listdir(tmp_path)) == sorted(["a.txt", long.name])
+
+
 def test_results_log_drops_a_partial_last_line(tmp_path):
     p = tmp_path / "results.jsonl"
     p.write_text('{"audio_filepath": "/a", "status": "ok"}\n{"audio_filepath": "/b", "sta')

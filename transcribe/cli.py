@@ -216,7 +216,7 @@ def merge(
 
 def _interruptible(job):
     """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up."""
-    from transcribe.pipeline import Interrupted
+    from transcribe.pipeline import Interrupted, OutputStopped
     from transcribe.workers import WorkerStartError
 
     try:
@@ -226,6 +226,9 @@ def _interruptible(job):
         raise typer.Exit(128 + e.signum)
     except WorkerStartError as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
+    except OutputStopped as e:
+        raise _fail(f"cannot write outputs, stopped: {e}. Files finished before are written; "
+                    "run the same command again to resume once they can be written", EXIT_NOTHING_RAN)
 
 
 @sub_app.command(help="Stream one audio file through a cache-aware streaming model, printing partial transcripts.")

@@ -6,11 +6,15 @@ compute features into slots of a shared-memory slab (`transcribe/shm.py`); this 
 batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
 slots, frees them, and writes each file's outputs and its `results.jsonl` line as soon as its
 last piece is transcribed. A bad file, a crashed or hung worker, or a batch the model rejects
-fails those files alone (`status: error`, with the reason); ^C and SIGTERM stop at once with
-every finished file written, and leave no worker, segment or temporary file behind.
+fails those files alone (`status: error`, with the reason), as does an output that cannot be
+written (a name too long, say); a full, over-quota or read-only output disk stops the run
+(`OutputStopped`), since every later write would fail too. ^C and SIGTERM stop at once. Every
+way of stopping leaves each finished file written and no worker, segment or temporary file
+behind; rerunning the command resumes.
 """
 from __future__ import annotations
 
+import errno
 import gc
 import queue
 import signal
@@ -39,6 +43,14 @@ from transcribe.writers import ResultsLog, write_outputs
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
 IDLE_S = 0.05  # poll interval of the main loop while no piece waits
+
+
+# Write errors that every later write would hit too: they stop the run instead of failing files.
+STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+class OutputStopped(Exception):
+    """The output folder took no more writes (full, over quota, read-only): the run stopped."""
 
 
 class Frontend(Protocol):
@@ -256,14 +268,20 @@ class _Job:
         f = self.files[fid]
         if f.expected is None or len(f.pieces) < f.expected:
             return
-        del self.files[fid]
         parts = [f.pieces[k] for k in range(f.expected)]
         result = stitch([r for _, r in parts], [o for o, _ in parts])
         seconds = f.samples / self.engine.sample_rate
         t0 = time.perf_counter()
-        write_outputs(result, self.out_dir / self.stems[f.file.path], self.formats)
-        self.log.append({"audio_filepath": str(f.file.path), "duration": round(seconds, 3), "text": result.text,
-                         "status": "ok", "error": None, "model": self.engine.name, **file_identity(f.file.path)})
+        try:
+            write_outputs(result, self.out_dir / self.stems[f.file.path], self.formats)
+        except OSError as e:
+            if e.errno in STOP_ERRNOS:
+                raise OutputStopped(f"{self.out_dir}: {e.strerror}") from e
+            self._fail(fid, f"{f.file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
+            return
+        del self.files[fid]
+        self._log({"audio_filepath": str(f.file.path), "duration": round(seconds, 3), "text": result.text,
+                   "status": "ok", "error": None, "model": self.engine.name, **file_identity(f.file.path)})
         self.stats.stage_seconds["write"] += time.perf_counter() - t0
         self.stats.files_ok += 1
         self.stats.audio_seconds += seconds
@@ -273,10 +291,18 @@ class _Job:
     def _fail(self, fid: int, error: str) -> None:
         f = self.files.pop(fid)
         print(f"error: {error}", file=sys.stderr)
-        self.log.append({"audio_filepath": str(f.file.path), "duration": None, "text": "", "status": "error",
-                         "error": error, "model": self.engine.name, **file_identity(f.file.path)})
+        self._log({"audio_filepath": str(f.file.path), "duration": None, "text": "", "status": "error",
+                   "error": error, "model": self.engine.name, **file_identity(f.file.path)})
         self.stats.files_failed += 1
         self.bar.step()
+
+    def _log(self, record: dict) -> None:
+        """Append a results.jsonl line. The log is what a rerun resumes from: if it takes no
+        more lines the run stops (a partial last line is dropped when it is next opened)."""
+        try:
+            self.log.append(record)
+        except OSError as e:
+            raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
 
 
 def _events(pool: WorkerPool, timeout: float) -> Iterator[tuple]:

@@ -79,6 +79,16 @@ def parse_formats(spec: str) -> list[str]:
     return names
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates its files 0600; outputs get the mode a plain open() would give them.
+FILE_MODE = 0o666 & ~_umask()  # read once, at import (os.umask can only be read by setting it)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` so that readers see the old file or the new one, never a part."""
     if not isinstance(text, str):
@@ -90,9 +100,12 @@ def atomic_write_bytes(path: Path, data) -> None:
     """Write `data` (bytes or any buffer, e.g. TensorRT's IHostMemory) so that readers see the
     old file or the whole new one, never a part: temp file in the same folder, fsync, rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # The temporary name starts with at most 32 characters of the final one: the whole name
+    # plus mkstemp's 14 would pass the 255-byte limit for a final name that fits it.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
             f.write(memoryview(data))
             f.flush()
             os.fsync(f.fileno())
