@@ -110,6 +110,7 @@ def test_usage_and_nothing_to_do_exit_codes(tmp_path):
     assert run_cli(str(tmp_path)).returncode == 1  # an empty folder: no inputs
     assert run_cli(str(tmp_path / "missing.wav"), "--model", str(tmp_path / "none.nemo")).returncode == 1
     assert run_cli("bench").returncode == 2  # missing INPUT argument
+    assert run_cli(str(tmp_path), "--shard", "3/2").returncode == 2  # checked before the inputs
 
 
 @needs_shared

@@ -63,5 +63,6 @@ def test_shards_partition_the_inputs(tmp_path):
     parts = [shard(files, f"{i}/3") for i in (1, 2, 3)]
     assert sorted(f.path for p in parts for f in p) == sorted(f.path for f in files)
     assert [len(p) for p in parts] == [4, 3, 3]
-    with pytest.raises(InputError):
-        shard(files, "4/3")
+    for bad in ("4/3", "0/2", "1/0", "a/b", "1-2"):
+        with pytest.raises(ValueError, match="--shard"):
+            shard(files, bad)

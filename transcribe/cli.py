@@ -64,7 +64,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     --language, --task."""
     from engines.checkpoint import CheckpointError
     from engines.loader import load_engine
-    from transcribe.inputs import InputError, discover, shard
+    from transcribe.inputs import InputError, discover, parse_shard, shard
     from transcribe.workers import Prespawned, default_workers
     from engines.decode_graphs import DecodeMode
     from engines.encoder_backend import BACKENDS
@@ -82,6 +82,11 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     if dtype not in DTYPE_CHOICES:
         raise _fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
     options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
+    if shard_spec:
+        try:
+            parse_shard(shard_spec)
+        except ValueError as e:
+            raise _fail(str(e), EXIT_USAGE)
 
     try:
         files = shard(discover(inputs), shard_spec)

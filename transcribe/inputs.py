@@ -102,16 +102,22 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
     return {f.path: (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
 
 
-def shard(files: list[InputFile], spec: str | None) -> list[InputFile]:
-    """The files of shard `I/N` (1-based I): a deterministic split by position in sorted order."""
-    if not spec:
-        return files
+def parse_shard(spec: str) -> tuple[int, int]:
+    """`--shard I/N` -> (I, N), 1 <= I <= N; ValueError (a usage error) otherwise."""
     try:
         i_s, n_s = spec.split("/")
         i, n = int(i_s), int(n_s)
     except ValueError:
-        raise InputError(f"--shard {spec!r}: expected I/N, e.g. 1/4") from None
+        raise ValueError(f"--shard {spec!r}: expected I/N, e.g. 1/4") from None
     if not (n >= 1 and 1 <= i <= n):
-        raise InputError(f"--shard {spec!r}: need 1 <= I <= N")
+        raise ValueError(f"--shard {spec!r}: need 1 <= I <= N")
+    return i, n
+
+
+def shard(files: list[InputFile], spec: str | None) -> list[InputFile]:
+    """The files of shard `I/N` (1-based I): a deterministic split by position in sorted order."""
+    if not spec:
+        return files
+    i, n = parse_shard(spec)
     ordered = sorted(files, key=lambda f: str(f.path))
     return ordered[i - 1 :: n]
