@@ -247,6 +247,35 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     assert (stats.files_skipped, stats.files_ok, len(_rows(out2))) == (2, 3, 5)
 
 
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_path):
+    """Overlapping cron jobs: while a run holds --out (here this test, through the same lock),
+    another transcribe or merge into it exits 1 naming the holder's pid and touches nothing;
+    once the holder is gone the same command runs."""
+    from transcribe.resume import LOCK_NAME, out_dir_lock
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 2)
+    model = str(Reference("tdt_tiny").nemo)
+    with out_dir_lock(out):
+        (out / ".f00.txt.abcd1234.tmp").write_text("a live run's half-written output")
+        busy = subprocess.run([sys.executable, "-m", "transcribe.cli", str(inp), "--model", model, "--out", str(out)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert busy.returncode == 1, busy.stderr
+        assert f"in use by another transcribe run (pid {os.getpid()})" in busy.stderr
+        assert (out / ".f00.txt.abcd1234.tmp").exists() and not (out / "results.jsonl").exists()
+        (tmp_path / "shard").mkdir()
+        (tmp_path / "shard" / "results.jsonl").write_text("")
+        merge = subprocess.run([sys.executable, "-m", "transcribe.cli", "merge", str(tmp_path / "shard"),
+                                "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert merge.returncode == 1 and "in use by another transcribe run" in merge.stderr
+        assert not (out / "results.jsonl").exists()
+    done = subprocess.run([sys.executable, "-m", "transcribe.cli", str(inp), "--model", model, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(_rows(out)) == 2 and (out / LOCK_NAME).exists()
+    _assert_clean(out)  # the dead run's temporary file was swept once the folder was free
+
+
 def _start_and_kill(inp: Path, out: Path, model: str, group: bool, min_lines: int) -> list[int]:
     p = _cli(str(inp), "--model", model, "--out", str(out), "--format", "txt,json", "--batch-seconds", "10",
              "--workers", "2", start_new_session=group)

@@ -201,6 +201,7 @@ def merge(
     shard_dirs: List[Path] = typer.Argument(..., help="The --out folders of the shard runs."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
 ) -> None:
+    from transcribe.resume import OutputBusy, out_dir_lock
     from transcribe.writers import atomic_write_text, read_results, results_line
 
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
@@ -213,7 +214,11 @@ def merge(
             old = merged.get(r["audio_filepath"])
             if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
                 merged[r["audio_filepath"]] = r
-    atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged.values()))
+    try:
+        with out_dir_lock(out):  # not while a run writes there
+            atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged.values()))
+    except OutputBusy as e:
+        raise _fail(f"{e}; wait for it to finish", EXIT_NOTHING_RAN)
     failed = sum(r.get("status") != "ok" for r in merged.values())
     typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards, {failed} failed -> {out / 'results.jsonl'}", err=True)
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
@@ -222,6 +227,7 @@ def merge(
 def _interruptible(job):
     """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up."""
     from transcribe.pipeline import Interrupted, OutputStopped
+    from transcribe.resume import OutputBusy
     from transcribe.workers import WorkerStartError
 
     try:
@@ -231,6 +237,8 @@ def _interruptible(job):
         raise typer.Exit(128 + e.signum)
     except WorkerStartError as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
+    except OutputBusy as e:
+        raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
     except OutputStopped as e:
         raise _fail(f"cannot write outputs, stopped: {e}. Files finished before are written; "
                     "run the same command again to resume once they can be written", EXIT_NOTHING_RAN)

@@ -34,7 +34,7 @@ from transcribe.audio import AudioError, audio_info
 from transcribe.batching import Batcher, PaddingStats
 from transcribe.inputs import InputFile, output_stems
 from transcribe.results import Result
-from transcribe.resume import file_identity, plan_resume, sweep_leftovers
+from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
@@ -136,22 +136,23 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
     """
     t_start = time.perf_counter()
     stats = RunStats()
-    sweep_leftovers(out_dir)
-    todo, stats.files_skipped = plan_resume(files, out_dir / "results.jsonl", force)
-    # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
-    todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
-    bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
-    n_workers = workers or default_workers()
-    try:
-        with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
-            if todo:
-                job = _Job(engine, todo, output_stems(files), out_dir, formats, log, stats, bar)
-                job.run(n_workers, batch_seconds, file_timeout, prespawned)
-    finally:
-        bar.close()
-        for k, v in engine.stage_seconds.items():
-            stats.stage_seconds[k] += v
-        stats.wall_seconds = time.perf_counter() - t_start
+    with out_dir_lock(out_dir):  # OutputBusy if another run writes there
+        sweep_leftovers(out_dir)
+        todo, stats.files_skipped = plan_resume(files, out_dir / "results.jsonl", force)
+        # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
+        todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
+        bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
+        n_workers = workers or default_workers()
+        try:
+            with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
+                if todo:
+                    job = _Job(engine, todo, output_stems(files), out_dir, formats, log, stats, bar)
+                    job.run(n_workers, batch_seconds, file_timeout, prespawned)
+        finally:
+            bar.close()
+            for k, v in engine.stage_seconds.items():
+                stats.stage_seconds[k] += v
+            stats.wall_seconds = time.perf_counter() - t_start
     return stats
 
 

@@ -2,19 +2,51 @@
 
 A file is done when results.jsonl has an ok line for its path with the same size and
 modification time; a rerun skips it and redoes everything else (failed or changed files),
-after dropping their old lines so each file ends with exactly one.
+after dropping their old lines so each file ends with exactly one. One run at a time holds
+a folder (`out_dir_lock`).
 """
 from __future__ import annotations
 
-import json
+import fcntl
+import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from transcribe.inputs import InputFile
 from transcribe.shm import sweep_stale
 from transcribe.writers import atomic_write_text, read_results, results_line
 
 _TEMP_OUTPUT = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")  # writers.atomic_write_text's temp names
+LOCK_NAME = ".transcribe.lock"
+
+
+class OutputBusy(Exception):
+    """Another run holds the output folder."""
+
+
+@contextmanager
+def out_dir_lock(out_dir: Path) -> Iterator[None]:
+    """Hold `out_dir`/.transcribe.lock (flock, exclusive) while a run writes there. A second
+    run into the same folder (overlapping cron jobs) would redo the same files, sweep the first
+    one's temporary files from under it, and lose its log lines when it rewrites results.jsonl;
+    it gets OutputBusy instead. The kernel drops the lock when the holder dies, so a killed
+    run never leaves the folder locked; the file itself stays (removing it would race)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise OutputBusy(f"{out_dir} is in use by another transcribe run"
+                             + (f" (pid {holder})" if holder else "")) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above, nothing else
+        yield
+    finally:
+        os.close(fd)
 
 
 def file_identity(path: Path) -> dict:
