@@ -276,6 +276,21 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_
     _assert_clean(out)  # the dead run's temporary file was swept once the folder was free
 
 
+def test_a_file_system_without_flock_runs_unguarded_with_a_note(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    from transcribe.resume import out_dir_lock
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with out_dir_lock(tmp_path / "out"):
+        pass
+    assert "cannot lock it (Function not implemented)" in capsys.readouterr().err
+
+
 def _start_and_kill(inp: Path, out: Path, model: str, group: bool, min_lines: int) -> list[int]:
     p = _cli(str(inp), "--model", model, "--out", str(out), "--format", "txt,json", "--batch-seconds", "10",
              "--workers", "2", start_new_session=group)

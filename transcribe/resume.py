@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -42,6 +43,9 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             raise OutputBusy(f"{out_dir} is in use by another transcribe run"
                              + (f" (pid {holder})" if holder else "")) from None
+        except OSError as e:  # Lustre mounted without flock, some NFS setups: run unguarded
+            print(f"note: {out_dir}: cannot lock it ({e.strerror}); make sure no other run writes there",
+                  file=sys.stderr)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above, nothing else
         yield
