@@ -191,9 +191,12 @@ class WhisperEngine:
         """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s).
 
         Longest first, as `decode_windows`: rows then finish roughly from the last one up, and
-        the token loop's compaction (`Progress.keep`) has fewer rows to move."""
-        out: list[Result | None] = [None] * len(features)
-        order = sorted(range(len(features)), key=lambda i: -features[i].shape[1])
+        the token loop's compaction (`Progress.keep`) has fewer rows to move. A piece of digital
+        silence (all-zero audio: its log-mel is one constant) is not decoded: Whisper wrote
+        "you" for 10 s of zeros, once per piece of a longer file, past OpenAI's no-speech test
+        (faster-whisper wrote nothing for 10 s, "you" per 30 s window for 70 s)."""
+        out: list[Result | None] = [Result(text="") if bool(f.amax() == f.amin()) else None for f in features]
+        order = sorted((i for i, r in enumerate(out) if r is None), key=lambda i: -features[i].shape[1])
         for s in range(0, len(order), self.batch_size):
             idx = order[s:s + self.batch_size]
             chunk = [features[i] for i in idx]

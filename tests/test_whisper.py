@@ -179,3 +179,10 @@ def test_bundled_base_transcribes_real_speech(bundled):
                            engine.decoder.suppress)
     silent = strict.decode(log_mel_spectrogram(torch.zeros(1, 16000)))[0]
     assert silent.no_speech_prob > 0.6 and silent.text == "" and silent.segments == ()
+    # The pipeline's path skips pieces of digital silence (constant log-mel) before decoding,
+    # whatever the rule: nothing for them, the speech beside them as decoded alone.
+    zeros, speech = (torch.from_numpy(engine.frontend(a)) for a in (np.zeros(10 * 16000, np.float32), audio[0]))
+    alone = engine.transcribe_features([speech])[0]
+    empty, spoken, empty2 = engine.transcribe_features([zeros, speech, zeros[:, :50]])
+    assert empty.text == empty2.text == "" and not empty.words and not empty.segments and not empty.tokens
+    assert spoken.text == alone.text == out[0][0] and spoken.tokens == alone.tokens
