@@ -2,8 +2,9 @@
 
 Exit status (a contract other tools rely on): 0 every file transcribed; 3 some files failed
 (the rest are done, failures are in results.jsonl); 1 nothing could run (no model, no
-inputs, an output folder that cannot be written); 2 usage error. Stopped by SIGINT / SIGTERM: 130 / 143 (128 + the signal, as a shell
-reports it), with every file finished so far written; rerunning the command resumes.
+inputs, an output folder that cannot be written or is in use) or the output disk stopped
+taking writes; 2 usage error. Stopped by SIGINT / SIGTERM: 130 / 143 (128 + the signal, as a
+shell reports it), with every file finished so far written; rerunning the command resumes.
 """
 from __future__ import annotations
 
@@ -55,13 +56,15 @@ def _writable_folder(folder: Path, option: str) -> None:
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
-             words: bool = True, language: Optional[str] = None, task: str = "transcribe"):
+             words: bool = True, language: Optional[str] = None, task: str = "transcribe",
+             outputs: tuple[tuple[Optional[Path], str], ...] = ()):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
     `words`: an output shows word times (Whisper aligns words only then). `language`, `task`:
-    --language, --task."""
+    --language, --task. `outputs`: (folder, option) pairs that must be writable, checked once
+    the inputs are known and before the model loads (None: not given)."""
     from engines.checkpoint import CheckpointError
     from engines.loader import load_engine
     from transcribe.inputs import InputError, discover, parse_shard, shard
@@ -94,6 +97,9 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
         raise _fail(str(e), EXIT_NOTHING_RAN)
     if not files:
         raise _fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
+    for folder, option in outputs:
+        if folder is not None:
+            _writable_folder(folder, option)
     t0 = time.perf_counter()
     spares = Prespawned(workers or default_workers())
     engine = None
@@ -139,11 +145,10 @@ def transcribe(
         formats = parse_formats(fmt)
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
-    _writable_folder(out, "--out")
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words="json" in formats, language=language,
-                                        task=task)
+                                        task=task, outputs=((out, "--out"),))
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares))
@@ -175,14 +180,11 @@ def bench(
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
-    if out is not None:
-        _writable_folder(out, "--out")
-    if json_path is not None:
-        _writable_folder(json_path.parent, "--json")
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
-                                             language=language)
+                                             language=language, outputs=((out, "--out"),
+                                                                         (json_path and json_path.parent, "--json")))
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
