@@ -1,6 +1,8 @@
 # GPU image: CUDA runtime, PyTorch with CUDA, this package with the ONNX and cuda-python extras.
 # TensorRT is optional: build FROM an nvcr.io TensorRT image instead, or `pip install '.[tensorrt]'`
 # where its libraries can be fetched.
+# Run with room in /dev/shm (Docker's default is 64 MB; the workers hand features over through it):
+#   docker run --gpus all --shm-size=1g -v $PWD:/data -v hf:/cache IMAGE /data/audio --out /data/out
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \

@@ -291,6 +291,30 @@ def test_a_file_system_without_flock_runs_unguarded_with_a_note(tmp_path, monkey
     assert "cannot lock it (Function not implemented)" in capsys.readouterr().err
 
 
+def test_a_job_runs_in_the_smallest_slab_a_small_dev_shm_allows(tmp_path, monkeypatch):
+    """/dev/shm with room for 3 slots only (Docker's 64 MB against 618M-Parakeet-sized
+    slots, in miniature): the job runs in batches of 2 and transcribes every file."""
+    import transcribe.pipeline as pipeline
+    import transcribe.shm as shm
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 6)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    slot_bytes = 4 * engine.frontend.n_mels * engine.frontend.max_frames
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: int(3.5 * slot_bytes / shm.SHM_FREE_SHARE))
+    sizes = []
+    run_batch = pipeline._Job._run_batch
+    monkeypatch.setattr(pipeline._Job, "_run_batch",
+                        lambda self, batch, pool, slab: (sizes.append((len(batch), slab.spec.n_slots)),
+                                                         run_batch(self, batch, pool, slab))[1])
+    stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1)
+    assert (stats.files_ok, stats.files_failed) == (6, 0)
+    assert {n for _, n in sizes} == {3} and max(b for b, _ in sizes) <= 2
+    _assert_clean(out)
+
+
 def _start_and_kill(inp: Path, out: Path, model: str, group: bool, min_lines: int) -> list[int]:
     p = _cli(str(inp), "--model", model, "--out", str(out), "--format", "txt,json", "--batch-seconds", "10",
              "--workers", "2", start_new_session=group)

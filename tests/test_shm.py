@@ -61,3 +61,34 @@ def test_orphaned_segments_are_those_of_dead_creators():
             assert dead in orphaned_segments() and live.spec.name not in orphaned_segments()
         finally:
             (SHM_DIR / dead).unlink(missing_ok=True)
+
+
+def test_a_small_dev_shm_gets_a_smaller_slab_or_a_clear_error(monkeypatch):
+    """Docker gives /dev/shm 64 MB: a slab past its free space was created sparse, and workers
+    died of SIGBUS file after file. Now the slab shrinks to what is free (down to min_slots),
+    its pages are reserved at once, and a /dev/shm too small for min_slots, or one that cannot
+    reserve them, is an error naming the sizes, with no segment left behind."""
+    import errno
+
+    import transcribe.shm as shm
+
+    slot_floats = 1 << 18  # 1 MiB slots
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 10 << 20)
+    with Slab.create(64, slot_floats, min_slots=4) as slab:
+        assert slab.spec.n_slots == int(10 * shm.SHM_FREE_SHARE)  # 8 of the 64 asked
+        if SHM_DIR.is_dir():
+            assert (SHM_DIR / slab.spec.name).stat().st_blocks * 512 >= 8 << 20  # reserved, not sparse
+    with pytest.raises(shm.SharedMemoryTooSmall, match="10 MiB free"):
+        Slab.create(64, slot_floats, min_slots=12)
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: None)  # nothing to ask: as asked
+    with Slab.create(3, slot_floats) as slab:
+        assert slab.spec.n_slots == 3
+    if SHM_DIR.is_dir():
+        def full(fd, offset, size):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(shm.os, "posix_fallocate", full)
+        before = set(our_segments())
+        with pytest.raises(shm.SharedMemoryTooSmall, match="cannot reserve"):
+            Slab.create(3, slot_floats)
+        assert set(our_segments()) == before

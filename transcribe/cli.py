@@ -230,6 +230,7 @@ def _interruptible(job):
     """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up."""
     from transcribe.pipeline import Interrupted, OutputStopped
     from transcribe.resume import OutputBusy
+    from transcribe.shm import SharedMemoryTooSmall
     from transcribe.workers import WorkerStartError
 
     try:
@@ -237,7 +238,7 @@ def _interruptible(job):
     except Interrupted as e:
         typer.echo(f"interrupted by {e}: finished files are written; run the same command again to resume", err=True)
         raise typer.Exit(128 + e.signum)
-    except WorkerStartError as e:
+    except (WorkerStartError, SharedMemoryTooSmall) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
     except OutputBusy as e:
         raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)

@@ -11,6 +11,12 @@ normal or exceptional exit; multiprocessing's resource tracker unlinks it if tha
 killed; and `sweep_stale()` at the next start removes segments whose creator is gone (the
 tracker too, e.g. a batch scheduler killing the whole process group). Segments are named
 `transcribe-<creator pid>-<random>` for that.
+
+Size: /dev/shm is a tmpfs that may be small (Docker's default is 64 MB). A segment larger than
+its free space is still created (sparse), and the first write past the limit kills the
+writing worker with SIGBUS, file after file. So `create` shrinks the slab to what is free
+(fewer slots: smaller batches), reserves its pages at once (posix_fallocate), and raises
+SharedMemoryTooSmall naming the sizes when not even the minimum fits.
 """
 from __future__ import annotations
 
@@ -25,6 +31,22 @@ import numpy as np
 PREFIX = "transcribe-"
 SHM_DIR = Path("/dev/shm")  # where Linux lists POSIX shared memory; absent elsewhere
 FLOAT32 = 4  # bytes
+
+
+SHM_FREE_SHARE = 0.8  # of /dev/shm's free space, at most, for one slab (other jobs need some)
+
+
+class SharedMemoryTooSmall(Exception):
+    """/dev/shm cannot hold the smallest slab the job needs."""
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes in /dev/shm (None where there is no such folder to ask)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 @dataclass(frozen=True)
@@ -43,12 +65,32 @@ class Slab:
         self._shm, self.spec, self.owner = shm, spec, owner
 
     @classmethod
-    def create(cls, n_slots: int, slot_floats: int) -> "Slab":
-        if n_slots < 1 or slot_floats < 1:
-            raise ValueError(f"slab needs at least one slot of one float, got {n_slots} x {slot_floats}")
+    def create(cls, n_slots: int, slot_floats: int, min_slots: int | None = None) -> "Slab":
+        """A slab of `n_slots`, or of fewer (down to `min_slots`, default all of them) when
+        /dev/shm has less free space; its pages are reserved now. SharedMemoryTooSmall if
+        `min_slots` do not fit."""
+        min_slots = n_slots if min_slots is None else min_slots
+        if min_slots < 1 or n_slots < min_slots or slot_floats < 1:
+            raise ValueError(f"slab needs 1 <= min_slots <= n_slots and a slot of one float or more, "
+                             f"got {min_slots}, {n_slots} x {slot_floats}")
+        slot_bytes = slot_floats * FLOAT32
+        free = shm_free_bytes()
+        if free is not None:
+            n_slots = min(n_slots, int(free * SHM_FREE_SHARE) // slot_bytes)
+            if n_slots < min_slots:
+                raise SharedMemoryTooSmall(
+                    f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the job needs at least "
+                    f"{min_slots * slot_bytes / SHM_FREE_SHARE / 2**20:.0f} MiB of shared memory "
+                    f"(in Docker: --shm-size=1g)")
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=n_slots * slot_floats * FLOAT32)
-        return cls(shm, SlabSpec(name, n_slots, slot_floats), owner=True)
+        shm = shared_memory.SharedMemory(name=name, create=True, size=n_slots * slot_bytes)
+        slab = cls(shm, SlabSpec(name, n_slots, slot_floats), owner=True)
+        try:
+            _reserve(name, n_slots * slot_bytes)
+        except BaseException:
+            slab.close()
+            raise
+        return slab
 
     @classmethod
     def attach(cls, spec: SlabSpec) -> "Slab":
@@ -85,6 +127,22 @@ class Slab:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reserve(name: str, size: int) -> None:
+    """Allocate the segment's pages now, so that a /dev/shm that fills up later (another job)
+    fails here, cleanly, not as a SIGBUS in a worker's write."""
+    path = SHM_DIR / name
+    if not path.exists():  # not Linux: nothing to reserve through
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise SharedMemoryTooSmall(f"{SHM_DIR}: cannot reserve {size / 2**20:.0f} MiB of shared memory "
+                                   f"({e.strerror}; in Docker: --shm-size=1g)") from e
+    finally:
+        os.close(fd)
 
 
 def our_segments() -> list[str]:
