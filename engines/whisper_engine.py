@@ -38,6 +38,12 @@ WINDOW_SECONDS = 30.0
 # 30 / 25 / 20 / 15 s: 12.49 / 10.77 / 10.39 / 10.59 %. Cutting files of 20-30 s too made them
 # worse (19 errors against 13 over 5 files) and cost 15 % of the RTFx on test-other for no gain.
 PIECE_SECONDS = 20.0
+# A piece whose loudest log-mel value stays at or under this is silence and is not decoded:
+# (log10(power) + 4) / 4 = -0.6 is a mel band 64 dB under full scale. Speech peaks near +1.3
+# (LibriSpeech); the quietest of 353 pieces of our speech, whispered, peaks at 0.45; digital
+# silence is -1.5 throughout and 16-bit dither peaks at -0.7 to -0.9: base wrote "you" for
+# both, past OpenAI's no-speech rule (faster-whisper: "you" per 30 s window of 70 s of zeros).
+SILENCE_LOG_MEL = -0.6
 
 
 def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
@@ -191,11 +197,9 @@ class WhisperEngine:
         """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s).
 
         Longest first, as `decode_windows`: rows then finish roughly from the last one up, and
-        the token loop's compaction (`Progress.keep`) has fewer rows to move. A piece of digital
-        silence (all-zero audio: its log-mel is one constant) is not decoded: Whisper wrote
-        "you" for 10 s of zeros, once per piece of a longer file, past OpenAI's no-speech test
-        (faster-whisper wrote nothing for 10 s, "you" per 30 s window for 70 s)."""
-        out: list[Result | None] = [Result(text="") if bool(f.amax() == f.amin()) else None for f in features]
+        the token loop's compaction (`Progress.keep`) has fewer rows to move. A silent piece
+        (`SILENCE_LOG_MEL`) gets an empty result without being decoded."""
+        out: list[Result | None] = [Result(text="") if float(f.amax()) <= SILENCE_LOG_MEL else None for f in features]
         order = sorted((i for i, r in enumerate(out) if r is None), key=lambda i: -features[i].shape[1])
         for s in range(0, len(order), self.batch_size):
             idx = order[s:s + self.batch_size]

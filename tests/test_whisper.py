@@ -160,7 +160,7 @@ CLIPS = [("jfk/jfk.flac", "And so my fellow Americans, ask not what your country
 
 @pytest.mark.skipif(not SPEECH.is_dir(), reason=f"shared speech data not found at {SPEECH}")
 def test_bundled_base_transcribes_real_speech(bundled):
-    from engines.whisper_engine import WhisperEngine
+    from engines.whisper_engine import WhisperEngine, pad_window
     from transcribe.audio import load_audio
     from transcribe.bench import wer
 
@@ -179,10 +179,22 @@ def test_bundled_base_transcribes_real_speech(bundled):
                            engine.decoder.suppress)
     silent = strict.decode(log_mel_spectrogram(torch.zeros(1, 16000)))[0]
     assert silent.no_speech_prob > 0.6 and silent.text == "" and silent.segments == ()
-    # The pipeline's path skips pieces of digital silence (constant log-mel) before decoding,
-    # whatever the rule: nothing for them, the speech beside them as decoded alone.
-    zeros, speech = (torch.from_numpy(engine.frontend(a)) for a in (np.zeros(10 * 16000, np.float32), audio[0]))
+    # The pipeline's path skips silent pieces before decoding, whatever the rule: digital
+    # silence, and 16-bit dither (one LSB of noise, where base also says "you"); the speech
+    # beside them comes out as decoded alone, and quiet noise (-60 dB) is still decoded.
+    dither = np.random.default_rng(0).standard_normal(10 * 16000).astype(np.float32) / 32768
+    zeros, lsb, speech = (torch.from_numpy(engine.frontend(a))
+                          for a in (np.zeros(10 * 16000, np.float32), dither, audio[0]))
+    assert engine.decoder.decode(pad_window(lsb)[None])[0].text.strip()  # what the skip avoids
     alone = engine.transcribe_features([speech])[0]
-    empty, spoken, empty2 = engine.transcribe_features([zeros, speech, zeros[:, :50]])
-    assert empty.text == empty2.text == "" and not empty.words and not empty.segments and not empty.tokens
+    empty, spoken, empty2, empty3 = engine.transcribe_features([zeros, speech, zeros[:, :50], lsb])
+    assert empty.text == empty2.text == empty3.text == "" and not empty.words and not empty3.tokens
     assert spoken.text == alone.text == out[0][0] and spoken.tokens == alone.tokens
+    decoded = []
+    real_decode = engine.decoder.decode
+    engine.decoder.decode = lambda mel, *a, **k: (decoded.append(mel.shape[0]), real_decode(mel, *a, **k))[1]
+    try:
+        engine.transcribe_features([torch.from_numpy(engine.frontend(dither * 32.768))])  # -60 dB noise
+    finally:
+        engine.decoder.decode = real_decode
+    assert decoded == [1]
