@@ -159,6 +159,16 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+def fresh_graph_pool(device: torch.device) -> tuple | None:
+    """A new CUDA graph memory pool for one capture attempt's graphs (None off CUDA). Never one
+    reused across attempts: a pool whose graphs were all dropped (regrow, failed attempt) can
+    still hold blocks (cuBLAS keeps a workspace per capture stream in it), so it lingers with
+    use_count 0 and capturing into it again trips torch's allocator assert "use_count > 0"
+    (create_or_incref_pool). The old pool's free blocks are released by the empty_cache() each
+    capture starts with."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+
 def warm_up(device: torch.device, run: Callable[[], None]) -> None:
     """`run` eagerly on a side stream, then wait for it, so kernels, cuBLAS and attention set up
     their state (and allocator blocks) before a capture records them."""
@@ -326,12 +336,7 @@ class GraphDecoder(ModeSelection):
             static = StaticState(self.prediction, self.joint, self.cfg, max_batch, max_frames, dtype, device)
             if not self.capture:
                 return static, DirectRunner(static, None)
-            # A fresh pool per capture attempt, shared only by this runner's graphs: a pool whose
-            # graphs were all dropped (regrow, failed attempt) can still hold blocks (cuBLAS keeps
-            # a workspace per capture stream in it), so it lingers with use_count 0 and capturing
-            # into it again trips torch's allocator assert "use_count > 0" (create_or_incref_pool).
-            # The old pool's free blocks are released by the empty_cache() each capture starts with.
-            self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+            self.pool = fresh_graph_pool(device)  # shared only by this runner's graphs
             return static, _RUNNERS[mode](static, self.pool)
 
         built = self._capture_with_fallback(capture)

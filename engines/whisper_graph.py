@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engines import cuda_conditional
-from engines.decode_graphs import DecodeMode, ModeSelection, side_stream, warm_up
+from engines.decode_graphs import DecodeMode, ModeSelection, fresh_graph_pool, side_stream, warm_up
 from engines.whisper_static import StaticDecoding
 
 if TYPE_CHECKING:
@@ -160,13 +160,7 @@ class WhisperGraphs(ModeSelection):
             static = StaticDecoding(self.decoder, capacity, self.decoder.opts.loop_check_every)
             if not self.capture:
                 return static, DirectRunner(static, mode, self.steps(mode))
-            # A fresh pool per capture attempt, shared only by this runner's bucket graphs: a pool
-            # whose graphs were all dropped (regrow, failed attempt) can still hold blocks (cuBLAS
-            # keeps a workspace per capture stream in it), so it lingers with use_count 0 and
-            # capturing into it again trips torch's allocator assert "use_count > 0"
-            # (create_or_incref_pool).
-            # The old pool's free blocks are released by the empty_cache() each capture starts with.
-            self.pool = torch.cuda.graph_pool_handle() if self.decoder.device.type == "cuda" else None
+            self.pool = fresh_graph_pool(self.decoder.device)  # shared only by this runner's bucket graphs
             return static, _RUNNERS[mode](static, self.pool, self.steps(mode))
 
         built = self._capture_with_fallback(capture)
