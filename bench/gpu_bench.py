@@ -180,8 +180,9 @@ def nemo_peer(a, manifest: Path, out: Path, dtype: str) -> dict | None:
 
 
 def write_report(path: str | None, report: dict) -> None:
-    """Rewrite `path` with the report so far, atomically (a run killed mid-write leaves the
-    previous report whole)."""
+    """Bring the report's comparisons up to date (`summarise`), then rewrite `path` with it,
+    atomically (a run killed mid-write leaves the previous report whole)."""
+    summarise(report)
     if path:
         atomic_write_text(Path(path), json.dumps(report, indent=1) + "\n")
 
@@ -215,7 +216,6 @@ def merge(paths: list[str]) -> dict:
         report["decoder_only"] += [{**r, "from": p} for r in ([rows] if isinstance(rows, dict) else rows)]
         report["nemo"].update({d: v for d, v in (part.get("nemo") or {}).items() if v})
         report["complete"] = report.get("complete", True) and bool(part.get("complete"))
-    summarise(report)
     return report
 
 
@@ -294,9 +294,7 @@ def main() -> int:
             res["row"]["mismatched_files"] = sum(res["texts"].get(k) != v for k, v in base.items())
             runs.append(res["row"])
             print(json.dumps(res["row"]), flush=True)
-            summarise(report)
             write_report(a.json, report)
-        summarise(report)
         print(json.dumps(report["features_on"]), flush=True)
         if modes and not a.no_decoder_only:
             try:
@@ -311,9 +309,7 @@ def main() -> int:
             report["nemo"] = {}
             for d in nemo_dtypes:
                 report["nemo"][d] = nemo_peer(a, manifest, Path(tmp) / f"nemo_{d}.json", d)
-                summarise(report)
                 write_report(a.json, report)
-    summarise(report)
     report["complete"] = True
     write_report(a.json, report)
     best = max((r for r in runs if "rtfx" in r), key=lambda r: r["rtfx"], default=None)
