@@ -247,6 +247,56 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     assert (stats.files_skipped, stats.files_ok, len(_rows(out2))) == (2, 3, 5)
 
 
+def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, capsys):
+    """The model runs out of memory on batches of more than 2 pieces and raises on one piece
+    whatever its batch: every other file is transcribed as in a plain run, the bad piece's file
+    alone fails, with the model's message, and after an out-of-memory batch no batch at least
+    that big (rows x longest piece) is tried again."""
+    import time
+
+    import torch
+
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+
+    inp, out, plain = tmp_path / "in", tmp_path / "out", tmp_path / "plain"
+    _copies(inp, 8)
+    bad = inp / "bad.wav"
+    sf.write(bad, sf.read(inp / "f03.flac")[0][:16000 * 3 + 1234], 16000)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    bad_frames = engine.frontend(sf.read(bad, dtype="float32")[0]).shape[1]
+    pipeline.run(engine, discover([str(inp)]), plain, ["txt"], workers=1)
+    expected = {Path(r["audio_filepath"]).name: r["text"] for r in _rows(plain)}
+
+    real, calls = engine.transcribe_features, []
+
+    def fragile(views):
+        if not calls:
+            time.sleep(1.0)  # let the worker fill the slab: the next batches are big
+        calls.append((len(views), len(views) * max(v.shape[1] for v in views)))  # rows x frames
+        if len(views) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        if any(v.shape[1] == bad_frames for v in views):
+            raise RuntimeError("index out of range in self (a bad piece)")
+        return real(views)
+
+    monkeypatch.setattr(engine, "transcribe_features", fragile)
+    stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1, batch_seconds=1000)
+    rows = {Path(r["audio_filepath"]).name: r for r in _rows(out)}
+    assert (stats.files_ok, stats.files_failed) == (8, 1)
+    assert {n: r["text"] for n, r in rows.items() if r["status"] == "ok"} == \
+        {n: t for n, t in expected.items() if n != "bad.wav"}
+    assert rows["bad.wav"]["status"] == "error"
+    assert "bad.wav: model failed on a piece of it: RuntimeError: index out of range" in rows["bad.wav"]["error"]
+    assert max(n for n, _ in calls) > 2, "no batch of more than 2 pieces: the test did not test"
+    for i, (n, padded) in enumerate(calls):  # a batch tried after one ran out of memory is smaller
+        ran_out = [p for m, p in calls[:i] if m > 2]
+        assert n == 1 or not ran_out or padded < min(ran_out), calls
+    assert "running it in halves" in capsys.readouterr().err
+    _assert_clean(out)
+
+
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_path):
     """Overlapping cron jobs: while a run holds --out (here this test, through the same lock),
     another transcribe or merge into it exits 1 naming the holder's pid and touches nothing;

@@ -5,7 +5,8 @@ Worker processes (`transcribe/workers.py`) decode, resample, cut long files at p
 compute features into slots of a shared-memory slab (`transcribe/shm.py`); this process
 batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
 slots, frees them, and writes each file's outputs and its `results.jsonl` line as soon as its
-last piece is transcribed. A bad file, a crashed or hung worker, or a batch the model rejects
+last piece is transcribed. A bad file, a crashed or hung worker, or a piece the model fails on
+(a failing batch runs again in halves, which also gets a batch that ran out of memory through)
 fails those files alone (`status: error`, with the reason), as does an output that cannot be
 written (a name too long, say); a full, over-quota or read-only output disk stops the run
 (`OutputStopped`), since every later write would fail too. ^C and SIGTERM stop at once. Every
@@ -197,6 +198,7 @@ class _Job:
         self.engine, self.stems, self.out_dir, self.formats = engine, stems, out_dir, formats
         self.log, self.stats, self.bar = log, stats, bar
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until written or failed
+        self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 
     def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
             prespawned: Prespawned | None = None) -> None:
@@ -250,21 +252,50 @@ class _Job:
             raise event[1]
 
     def _run_batch(self, batch: list[Piece], pool: WorkerPool, slab: Slab) -> None:
-        views = [torch.from_numpy(slab.view(p.slot, (p.n_mels, p.frames))) for p in batch]
         try:
-            results = self.engine.transcribe_features(views)
-        except RuntimeError as e:  # torch's error type: a batch the model cannot run (e.g. OOM)
-            for fid in sorted({p.fid for p in batch if p.fid in self.files}):
-                self._fail(fid, f"{self.files[fid].file.path}: model failed on this batch: {e}")
-            return
+            outcomes = self._transcribe(batch, slab)
         finally:
-            del views
             pool.release([p.slot for p in batch])
-        for p, r in zip(batch, results):
+        failed: dict[int, str] = {}
+        for p, r in zip(batch, outcomes):
+            if isinstance(r, str) and p.fid in self.files:
+                failed.setdefault(p.fid, r)
+        for fid, reason in failed.items():
+            self._fail(fid, f"{self.files[fid].file.path}: model failed on a piece of it: {reason}")
+        for p, r in zip(batch, outcomes):
             f = self.files.get(p.fid)
             if f is not None:
                 f.pieces[p.index] = (p.offset_s, r)
                 self._maybe_finish(p.fid)
+
+    def _transcribe(self, batch: list[Piece], slab: Slab) -> list[Result | str]:
+        """The engine's Result per piece, or the error (str) that piece failed with. A batch the
+        model cannot run (torch raises RuntimeError: out of memory, or an error one piece sets
+        off) runs again in halves, so only pieces that fail on their own fail their files; a
+        batch that ran out of memory also sets the size from which later batches are halved
+        before they run, instead of failing first every time."""
+        if len(batch) > 1 and _padded_seconds(batch, self.engine.sample_rate) >= self.split_at_s:
+            return self._halves(batch, slab)
+        views = [torch.from_numpy(slab.view(p.slot, (p.n_mels, p.frames))) for p in batch]
+        try:
+            return list(self.engine.transcribe_features(views))
+        except RuntimeError as e:  # torch's error type, torch.OutOfMemoryError included
+            error = e
+        finally:
+            del views
+        size = _padded_seconds(batch, self.engine.sample_rate)
+        if _out_of_memory(error):
+            self.split_at_s = min(self.split_at_s, size)
+            _release_cached_memory(self.engine.device)
+        if len(batch) == 1:
+            return [f"{type(error).__name__}: {error}"]
+        print(f"note: the model failed on a batch of {len(batch)} pieces ({size:.0f} s padded): "
+              f"{type(error).__name__}: {_first_line(error)}; running it in halves", file=sys.stderr)
+        return self._halves(batch, slab)
+
+    def _halves(self, batch: list[Piece], slab: Slab) -> list[Result | str]:
+        half = len(batch) // 2
+        return self._transcribe(batch[:half], slab) + self._transcribe(batch[half:], slab)
 
     def _maybe_finish(self, fid: int) -> None:
         f = self.files[fid]
@@ -305,6 +336,27 @@ class _Job:
             self.log.append(record)
         except OSError as e:
             raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
+
+
+def _padded_seconds(batch: list[Piece], sample_rate: int) -> float:
+    """Audio seconds the batch's encoder input spans: rows x its longest piece."""
+    return len(batch) * max(p.samples for p in batch) / sample_rate
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    # torch.OutOfMemoryError on CUDA; the CPU allocator raises a plain RuntimeError.
+    return isinstance(error, torch.OutOfMemoryError) or "not enough memory" in str(error) \
+        or "can't allocate memory" in str(error)
+
+
+def _release_cached_memory(device: str) -> None:
+    """Return the caching allocator's free blocks, so the retry's halves can use them."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def _events(pool: WorkerPool, timeout: float) -> Iterator[tuple]:
