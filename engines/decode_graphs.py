@@ -10,8 +10,9 @@ Graph modes run over static buffers sized (max_batch, max_frames): each batch is
 rows past it get length 0 (inactive from the first step), and a larger batch regrows the
 buffers and recaptures, in a fresh graph memory pool (one per capture). The four pieces
 call the same stage functions as eager mode and add only `torch.any(..., out=flag)`, so every
-mode emits the same tokens. A failed capture falls back to the next mode (full-graph ->
-unrolled -> eager), logged.
+mode emits the same tokens. A failed capture or replay falls back to the next mode
+(full-graph -> unrolled -> eager), logged, and so does a capture whose first batch decodes to
+other tokens than eager's (`ModeSelection.agrees_with_eager`).
 """
 from __future__ import annotations
 
@@ -34,9 +35,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("transcribe")
 Built = TypeVar("Built")
 
+# A new capture's first batch is decoded eagerly too; the mode falls back when more than this
+# share of its rows (any row, below 4 rows) differ. Same stage functions, but the static buffers
+# give other shapes, for which cuBLAS may pick other kernels: a last-bit difference can flip a
+# near-tie argmax in a rare row, and that row then goes its own way. A broken capture garbles
+# most rows.
+MAX_DIFFERING_ROWS = 0.25
 FRAME_QUANTUM = 64  # static frames grow in steps of 64 encoder frames (~5 s at 80 ms): few recaptures
 WARMUP_RUNS = 2  # eager runs before capture, so cuBLAS/cuDNN set up their handles outside it
-_CAPTURE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, CudaPythonError)
+GRAPH_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, CudaPythonError)
 
 
 class DecodeMode(str, Enum):
@@ -257,6 +264,7 @@ class ModeSelection:
     def __init__(self, mode: DecodeMode = DecodeMode.EAGER, capture: bool = True):
         self.mode, self.capture = mode, capture
         self._logged: set[str] = set()
+        self.unverified = False  # a capture whose first batch is still to be checked against eager
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:
@@ -284,13 +292,38 @@ class ModeSelection:
         once) and tries again. None once that reached eager."""
         while True:
             try:
-                return capture(self.mode)
-            except _CAPTURE_ERRORS as e:
-                nxt = _NEXT[self.mode]
-                self._log_once(f"decoder mode {self.mode.value} capture failed ({e}); falling back to {nxt.value}")
-                self.mode = nxt
-                if nxt is DecodeMode.EAGER:
+                built = capture(self.mode)
+                self.unverified = True
+                return built
+            except GRAPH_ERRORS as e:
+                if self.fall_back(f"capture failed ({e})") is DecodeMode.EAGER:
                     return None
+
+    def fall_back(self, why: str) -> DecodeMode:
+        """Move to the next mode (logged once) and forget what the failed one built."""
+        nxt = _NEXT[self.mode]
+        self._log_once(f"decoder mode {self.mode.value} {why}; falling back to {nxt.value}")
+        self._drop()
+        self.mode, self.unverified = nxt, False
+        return nxt
+
+    def replay_failed(self, error: BaseException) -> None:
+        """A replay raised: fall back, unless it ran out of memory, which is the batch's size, not
+        the mode's fault (the pipeline runs the batch again in halves)."""
+        if isinstance(error, torch.OutOfMemoryError):
+            raise error
+        self.fall_back(f"replay failed ({error})")
+
+    def agrees_with_eager(self, graph: list, eager: list) -> bool:
+        """A new capture's first batch: per-row results of the graph mode against eager's. Too
+        many differing rows (`MAX_DIFFERING_ROWS`) fall back to the next mode, logged with the
+        count; the caller then keeps eager's results. Later batches are not checked."""
+        self.unverified = False
+        differ = sum(g != e for g, e in zip(graph, eager, strict=True))
+        if differ > (MAX_DIFFERING_ROWS * len(eager) if len(eager) >= 4 else 0):
+            self.fall_back(f"gave other tokens than eager in {differ} of {len(eager)} rows of its first batch")
+            return False
+        return True
 
 
 class GraphDecoder(ModeSelection):
@@ -322,8 +355,18 @@ class GraphDecoder(ModeSelection):
         if self.static is None or self.runner is None:  # eager, chosen or fallen back to
             return label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.cfg, buffers)
         self.static.load(enc_proj, lengths)
-        self.runner.run()
-        return self.static.result(B)
+        try:
+            self.runner.run()
+        except GRAPH_ERRORS as e:  # a replay the driver refuses: the next mode decodes
+            self.replay_failed(e)
+            return self.decode(enc_proj, lengths, buffers)
+        hyps = self.static.result(B)
+        if self.unverified:
+            eager = label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.cfg, buffers)
+            if not self.agrees_with_eager([(h.tokens, h.frames, h.durations) for h in hyps],
+                                          [(h.tokens, h.frames, h.durations) for h in eager]):
+                return eager
+        return hyps
 
     def _build(self, batch: int, frames: int, dtype: torch.dtype, device: torch.device) -> None:
         old = self.static

@@ -127,6 +127,31 @@ def fill_bucket(dst_features: Tensor, dst_lengths: Tensor, features: Tensor, len
     dst_lengths[:b].copy_(lengths, non_blocking=True)
 
 
+# A captured graph replays the kernels its eager warm-up ran, on the same shapes: its output
+# equals eager's up to summation order. Far more than that means a broken capture.
+GRAPH_CHECK_RTOL = 1e-3
+
+
+def fill_check_batch(features: Tensor, lengths: Tensor, seed: int = 0) -> None:
+    """Bucket buffers [b, n_mels, W], [b] <- a seeded check batch: N(0, 1) features (normalized
+    log-mel's scale) and row lengths from W down to W / 2, so the masks matter."""
+    gen = torch.Generator(device=features.device).manual_seed(seed)
+    features.normal_(generator=gen)
+    w = features.shape[-1]
+    lengths.copy_(torch.linspace(w, (w + 1) // 2, lengths.shape[0]).round().long())
+
+
+def disagreement(got: Tensor, got_lengths: Tensor, want: Tensor, want_lengths: Tensor,
+                 rtol: float = GRAPH_CHECK_RTOL) -> str | None:
+    """Encoded [b, T', D] and lengths [b] of a backend against eager's on the same batch, over
+    each row's valid frames -> why they differ, or None."""
+    if not torch.equal(got_lengths, want_lengths):
+        return f"output lengths {got_lengths.tolist()} against eager's {want_lengths.tolist()}"
+    valid = (torch.arange(want.shape[1], device=want.device)[None, :] < want_lengths[:, None])[..., None]
+    err = float(((got - want) * valid).float().norm() / ((want * valid).float().norm() + 1e-12))
+    return None if err <= rtol else f"relative error {err:.2e} against eager (tolerance {rtol:.0e})"
+
+
 def output_frames(encoder, frames: int) -> int:
     """Encoder frames T' of a batch `frames` wide (host arithmetic, no device sync)."""
     return int(encoder.output_lengths(torch.tensor([frames]))[0])

@@ -17,6 +17,10 @@ launches; a replayed graph launches them all at once. Pattern (nano-vllm `captur
 - Captured at `reserve()` (startup, every bucket up to the pipeline's batch size), else lazily
   on a bucket's first use. Widths beyond the widest profile run eagerly (logged once); batches
   above a profile's max_batch run as chunks of max_batch rows.
+- Checked at capture: the warm-up runs a seeded batch with varied lengths eagerly, the new graph
+  replays it, and the two outputs must agree (`encoder_backend.disagreement`). A capture that
+  fails or disagrees turns the graphs off: the encoder runs in eager torch from then on, logged
+  once with the reason.
 
 The forward is captured with `static=True` (`ConformerEncoder.forward`): no `.item()`, no
 length checks on the host, masks always built. A reduced-precision encoder (bf16/fp16) is
@@ -24,14 +28,18 @@ captured the same way: its input and output casts are part of the forward, so of
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from engines.conformer import ConformerEncoder
-from engines.encoder_backend import (BucketProfile, FallbackLog, batch_sizes, bucket_edges, fill_bucket, in_chunks,
-                                     output_frames, pick_bucket, pick_profile)
+from engines.encoder_backend import (BucketProfile, FallbackLog, batch_sizes, bucket_edges, disagreement,
+                                     fill_bucket, fill_check_batch, in_chunks, output_frames, pick_bucket,
+                                     pick_profile)
+
+log = logging.getLogger("transcribe")
 
 
 class CudaGraphEncoder:
@@ -50,6 +58,7 @@ class CudaGraphEncoder:
         self.pool = None  # one graph_pool_handle() for every graph, made at the first capture
         self._buffers: dict[str, Tensor] | None = None
         self._fallback = FallbackLog(self.name)
+        self.off: str | None = None  # why the graphs are not used (a capture failed or disagreed)
 
     def buckets(self, max_items: int | None = None) -> list[tuple[int, int]]:
         """Every (batch, width) bucket, largest first; batch sizes capped at `max_items`."""
@@ -65,7 +74,8 @@ class CudaGraphEncoder:
     def reserve(self, max_items: int) -> None:
         """Capture, at startup, every bucket a batch of up to `max_items` pieces can use."""
         for key in self.buckets(max_items):
-            self._graph(key)
+            if self._graph(key) is None:
+                return
 
     def __call__(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features [B, n_mels, W] float32, lengths [B] int64 -> ([B, D, T'], [B] int64)."""
@@ -80,6 +90,8 @@ class CudaGraphEncoder:
         b, _, w = features.shape
         key = pick_bucket(self.profiles, b, w)
         graph = self._graph(key)
+        if graph is None:
+            return self.encoder(features, lengths)
         feats, lens, enc, elen = self._views(key)
         fill_bucket(feats, lens, features, lengths, self.pad_value)
         graph.replay()
@@ -113,14 +125,31 @@ class CudaGraphEncoder:
                     "encoded": torch.empty(enc, dtype=torch.float32, device=self.device),
                     "encoded_lengths": torch.empty(rows, dtype=torch.int64, device=self.device)}
 
-    def _graph(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph:
-        """The graph of bucket `key`, captured now if it was not yet."""
+    def _graph(self, key: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
+        """The graph of bucket `key`, captured (and checked) now if it was not yet; None once
+        the graphs are off."""
+        if self.off is not None:
+            return None
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
+        try:
+            graph, why = self._capture(key)
+        except RuntimeError as e:  # torch's error type for a refused capture
+            graph, why = None, f"capture failed ({e})"
+        if why is not None:
+            self.off = f"bucket {key}: {why}"
+            self.graphs.clear()
+            log.warning("cuda-graphs encoder: %s; the encoder runs in eager torch from now on", self.off)
+            return None
+        self.graphs[key] = graph
+        return graph
+
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, str | None]:
+        """Capture bucket `key` -> (graph, None), or (graph, why) when its replay of the check
+        batch disagrees with the eager warm-up's output."""
         feats, lens, enc, elen = self._views(key)
-        feats.fill_(self.pad_value)
-        lens.fill_(key[1])
+        fill_check_batch(feats, lens)
 
         def step() -> None:
             out, out_len = self.encoder(feats, lens, static=True)
@@ -134,6 +163,7 @@ class CudaGraphEncoder:
         with torch.cuda.stream(side):
             step()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        want, want_len = enc.clone(), elen.clone()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -141,5 +171,7 @@ class CudaGraphEncoder:
         # (CUDA-free) work must not be able to invalidate this thread's capture.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
-        self.graphs[key] = graph
-        return graph
+        enc.zero_()
+        elen.zero_()
+        graph.replay()
+        return graph, disagreement(enc, elen, want, want_len)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
-from engines.decode_graphs import DecodeMode
+from engines.decode_graphs import GRAPH_ERRORS, DecodeMode
 from engines.stage_times import StageTimes
 from engines.whisper import KVCache, Whisper
 from engines.whisper_alignment import Aligner
@@ -180,12 +180,18 @@ class GreedyDecoder:
         frames = frames or [2 * audio.shape[1]] * audio.shape[0]
         t = time.perf_counter()
         built = self.graphs.ready(audio.shape[0]) if self.graphs.mode is not DecodeMode.EAGER else None
+        results = None
         if built is not None:  # None also once a failed capture fell back to eager
-            results, order = self._chunked(audio, *built)
-            cross_k, cross_v = built[0].cross_k, built[0].cross_v
-        else:
-            results, cache, order = self._greedy(audio)
-            cross_k, cross_v = cache.cross_k, cache.cross_v
+            try:
+                results, order = self._chunked(audio, *built)
+                cross_k, cross_v = built[0].cross_k, built[0].cross_v
+            except GRAPH_ERRORS as e:  # a replay the driver refuses: eager decodes this batch
+                self.graphs.replay_failed(e)
+        if results is None or self.graphs.unverified:  # eager, or a new capture's first batch
+            eager, cache, eager_order = self._greedy(audio)
+            if results is None or not self.graphs.agrees_with_eager([r.tokens for r in results],
+                                                                     [r.tokens for r in eager]):
+                results, order, cross_k, cross_v = eager, eager_order, cache.cross_k, cache.cross_v
         self.stage_seconds.lap("decoder", t)
         return self.finish(results, cross_k, cross_v, order, frames, words)
 

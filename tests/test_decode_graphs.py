@@ -2,6 +2,7 @@
 CPU without capture, equals eager decoding; mode selection and fallbacks; GPU modes (gpu marker)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import lru_cache
 
@@ -52,6 +53,7 @@ def test_static_driver_equals_eager_with_padding_rows_and_regrow(variant):
         with torch.inference_mode():
             got = graphs.decode(enc_proj, lengths)
         sizes.append((graphs.static.max_batch, graphs.static.max_frames))
+        assert graphs.mode is DecodeMode.UNROLLED  # no fallback, which would return eager's tokens
         assert got == eager(dec, enc_proj, lengths), f"{variant} files {files}"
         for hyp, i in zip(got, files):
             assert hyp.tokens == ref.files[i]["tokens"], f"{variant} file {i}"
@@ -182,6 +184,86 @@ def test_capture_failure_falls_back_once(monkeypatch, caplog):
     with torch.inference_mode():
         assert graphs.decode(enc_proj, lengths) == eager(dec, enc_proj, lengths)
     assert graphs.mode is DecodeMode.EAGER and graphs.static is None
+
+
+def _dropping_last_token(rows: set[int]):
+    """StaticState.result that loses the last token of the given rows: a broken capture."""
+    result = decode_graphs.StaticState.result
+
+    def broken(self, batch):
+        hyps = result(self, batch)
+        for r in rows & set(range(batch)):
+            h = hyps[r]
+            hyps[r] = dataclasses.replace(h, tokens=h.tokens[:-1], frames=h.frames[:-1], durations=h.durations[:-1])
+        return hyps
+    return broken
+
+
+@needs_shared
+def test_a_capture_whose_first_batch_differs_from_eager_falls_back(monkeypatch, caplog):
+    """A new capture's first batch is decoded eagerly too: when more than a quarter of its rows
+    (below 4 rows: any) differ, eager's tokens are returned and the mode falls back, logged once;
+    the next mode's capture is checked in turn. One differing row of 8 is tolerated (a near-tie
+    flip), and later batches are not checked."""
+    ref, dec = Reference("tdt_tiny"), decoder_for("tdt_tiny")
+    enc_proj, lengths = projected_batch(dec, ref, [0, 3])
+    want = eager(dec, enc_proj, lengths)
+    monkeypatch.setattr(decode_graphs.StaticState, "result", _dropping_last_token({1}))
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.FULL_GRAPH, capture=False)
+    with caplog.at_level(logging.WARNING, logger="transcribe"), torch.inference_mode():
+        assert graphs.decode(enc_proj, lengths) == want
+        assert graphs.mode is DecodeMode.UNROLLED and graphs.static is None
+        assert graphs.decode(enc_proj, lengths) == want  # unrolled: captured, checked, differs too
+    assert graphs.mode is DecodeMode.EAGER
+    assert [r.getMessage() for r in caplog.records if r.name == "transcribe"] == [
+        "decoder mode full-graph gave other tokens than eager in 1 of 2 rows of its first batch; "
+        "falling back to unrolled",
+        "decoder mode unrolled gave other tokens than eager in 1 of 2 rows of its first batch; "
+        "falling back to eager"]
+
+    files = list(range(8))
+    enc_proj, lengths = projected_batch(dec, ref, files)
+    want = eager(dec, enc_proj, lengths)
+    assert all(h.tokens for h in want)
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.UNROLLED, capture=False)
+    with torch.inference_mode():
+        got = graphs.decode(enc_proj, lengths)
+        assert graphs.mode is DecodeMode.UNROLLED and not graphs.unverified
+        assert [g == w for g, w in zip(got, want)] == [r != 1 for r in files]  # tolerated, kept
+        monkeypatch.setattr(decode_graphs.StaticState, "result", _dropping_last_token(set(files)))
+        assert graphs.decode(enc_proj, lengths) != want  # checked once per capture only
+    assert graphs.mode is DecodeMode.UNROLLED
+
+
+@needs_shared
+def test_a_replay_error_falls_back_and_decodes_the_batch(monkeypatch, caplog):
+    ref, dec = Reference("rnnt_tiny"), decoder_for("rnnt_tiny")
+    enc_proj, lengths = projected_batch(dec, ref, [1, 2, 5])
+    run = decode_graphs.DirectRunner.run
+    failures = []
+
+    def refused(self):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("CUDA error: operation not permitted")
+        run(self)
+
+    monkeypatch.setattr(decode_graphs.DirectRunner, "run", refused)
+    graphs = GraphDecoder(dec.prediction, dec.joint, dec.config, mode=DecodeMode.FULL_GRAPH, capture=False)
+    with caplog.at_level(logging.WARNING, logger="transcribe"), torch.inference_mode():
+        assert graphs.decode(enc_proj, lengths) == eager(dec, enc_proj, lengths)
+    assert graphs.mode is DecodeMode.UNROLLED and graphs.static is not None  # unrolled decoded it
+    assert [r.getMessage() for r in caplog.records if r.name == "transcribe"] == [
+        "decoder mode full-graph replay failed (CUDA error: operation not permitted); falling back to unrolled"]
+
+    def out_of_memory(self):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    # running out of memory is the batch's size, not the mode's fault: it reaches the pipeline
+    monkeypatch.setattr(decode_graphs.DirectRunner, "run", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError), torch.inference_mode():
+        graphs.decode(enc_proj, lengths)
+    assert graphs.mode is DecodeMode.UNROLLED
 
 
 # ---- GPU: real capture and replay -------------------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import Reference, needs_shared
 
-from engines.encoder_backend import (BucketProfile, batch_sizes, bucket_edges, in_chunks, make_profiles, pick_bucket,
-                                     pick_profile, resolve_backend, run_padded)
+from engines.encoder_backend import (BucketProfile, batch_sizes, bucket_edges, disagreement, fill_check_batch,
+                                     in_chunks, make_profiles, pick_bucket, pick_profile, resolve_backend, run_padded)
 from engines.encoder_tensorrt_build import EngineSpec, atomic_write_bytes, default_cache_dir, model_digest
 from engines.parakeet import BUCKET_EDGES_S, ParakeetEngine
 from engines.transducer import TransducerDecoder
@@ -271,3 +271,31 @@ def test_export_engine_without_tensorrt_exits_1_naming_the_extra(tmp_path):
     assert p.returncode == 1 and (tmp_path / "e.onnx").stat().st_size > 0
     assert "transcribe[tensorrt]" in p.stderr
     assert _cli("--model", model, "--precision", "int8").returncode == 2
+
+
+def test_the_graph_check_batch_and_its_comparison(engine_and_ref):
+    """What a CUDA-graph capture is checked with (`encoder_cudagraph._capture`), on the CPU: a
+    seeded batch with rows of different lengths, and a comparison over valid frames that passes
+    eager against itself and catches a capture that ignores the lengths (masks baked in)."""
+    engine, _ = engine_and_ref
+    w = engine.profiles[0].frames
+    feats, lens = torch.empty(4, engine.feature_cfg.features, w), torch.empty(4, dtype=torch.long)
+    fill_check_batch(feats, lens)
+    again = torch.empty_like(feats)
+    fill_check_batch(again, torch.empty_like(lens))
+    assert torch.equal(feats, again) and lens.tolist()[0] == w and lens.tolist()[-1] == (w + 1) // 2
+    assert len(set(lens.tolist())) == 4 and 0.9 < float(feats.std()) < 1.1
+    with torch.inference_mode():
+        enc, elen = (t.clone() for t in engine.encoder(feats, lens))
+        enc = enc.transpose(1, 2)  # the graphs' [b, T', D] buffers
+        assert disagreement(enc, elen, enc.clone(), elen.clone()) is None
+        assert disagreement(enc + 1e-6 * torch.randn_like(enc), elen, enc, elen) is None
+        junk = enc.clone()
+        for row, n in enumerate(elen.tolist()):
+            junk[row, n:] = 1e3  # past each row's length: never read
+        assert disagreement(junk, elen, enc, elen) is None
+        full = torch.full_like(lens, w)
+        unmasked, ulen = engine.encoder(feats, full)
+        assert "output lengths" in disagreement(unmasked.transpose(1, 2), ulen, enc, elen)
+        why = disagreement(unmasked.transpose(1, 2), elen, enc, elen)  # right lengths, masks ignored
+        assert why is not None and why.startswith("relative error")

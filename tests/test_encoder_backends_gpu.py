@@ -74,6 +74,31 @@ def test_cuda_graphs_fallbacks():
 
 @pytest.mark.gpu
 @needs_shared
+def test_cuda_graphs_that_disagree_with_eager_turn_off(monkeypatch, caplog):
+    """A capture whose replay of the check batch disagrees (forced here) turns the graphs off:
+    logged once, every later batch runs in eager torch, bit for bit."""
+    import logging
+
+    from engines import encoder_cudagraph
+
+    ref = Reference("tdt_tiny")
+    engine = ParakeetEngine.from_nemo(ref.nemo, "cuda", encoder_backend="cuda-graphs",
+                                      backend_options=BackendOptions(max_batch=2))
+    backend = engine.encoder_backend
+    monkeypatch.setattr(encoder_cudagraph, "disagreement", lambda *a: "relative error 1.00e+00 against eager")
+    with caplog.at_level(logging.WARNING, logger="transcribe"), torch.inference_mode():
+        engine.reserve(2)
+        feats, flen = engine._batch(_features(ref)[:2])
+        got, got_len = backend(feats, flen)
+        want, want_len = engine.encoder(feats, flen)
+    assert backend.off is not None and not backend.graphs
+    assert torch.equal(got, want) and torch.equal(got_len, want_len)
+    lines = [r.getMessage() for r in caplog.records if "cuda-graphs encoder" in r.getMessage()]
+    assert len(lines) == 1 and "relative error" in lines[0] and "eager torch from now on" in lines[0]
+
+
+@pytest.mark.gpu
+@needs_shared
 @pytest.mark.parametrize("precision,variants", [("fp32", ["tdt_tiny"]), ("fp16", OFFLINE_VARIANTS)])
 def test_tensorrt_matches_eager(precision, variants, tmp_path):
     pytest.importorskip("tensorrt")

@@ -4,6 +4,7 @@ decoding on real speech; the tensor-op rules equal OpenAI's branchy ones; mode s
 fallbacks; GPU modes (gpu marker)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from functools import lru_cache
 
@@ -154,9 +155,13 @@ def decoder_like(engine, opts: DecodeOptions) -> GreedyDecoder:
     return GreedyDecoder(engine.decoder.model, engine.decoder.tok, opts, engine.decoder.suppress)
 
 
-def decode(dec: GreedyDecoder, audio: torch.Tensor, mode: DecodeMode, capture: bool = False) -> list[WindowResult]:
+def decode(dec: GreedyDecoder, audio: torch.Tensor, mode: DecodeMode, capture: bool = False,
+           falls_back: bool = False) -> list[WindowResult]:
     dec.graphs = WhisperGraphs(dec, mode, capture=capture)
-    return dec.decode_audio(audio)
+    out = dec.decode_audio(audio)
+    if not falls_back:  # a failed check of a new capture would hand back eager's results
+        assert dec.graphs.mode is mode, "the mode fell back"
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -225,8 +230,10 @@ def test_loop_cut_at_chunk_boundaries(base, mode, buckets_run):
     dec.stop_loops = counted
     audio = audio_states(base, FILES)
     want = decode(dec, audio, DecodeMode.EAGER)
-    eager_cuts, cuts[:] = cuts.count(True), []
-    assert_same(decode(dec, audio, mode), want)
+    eager_cuts = cuts.count(True)
+    decode(dec, audio, mode)  # a capture's first batch is decoded eagerly too, to check it
+    cuts[:], buckets_run[:] = [], []
+    assert_same(dec.decode_audio(audio), want)
     assert cuts.count(True) == eager_cuts > 0  # rows were cut mid-decode, at the same checks
     assert any(r.looped for r in want) and not all(r.looped for r in want)
     assert len(buckets_run) > 4  # chunks of 8 steps
@@ -328,14 +335,52 @@ def test_capture_failure_falls_back_once(base, monkeypatch, caplog):
     dec = decoder_like(base, DecodeOptions())
     audio, want = audio_states(base, FILES[2:4]), eager_results(base, DecodeOptions(), tuple(FILES[2:4]))
     with caplog.at_level(logging.WARNING, logger="transcribe"):
-        assert_same(decode(dec, audio, DecodeMode.FULL_GRAPH, capture=True), want)
+        assert_same(decode(dec, audio, DecodeMode.FULL_GRAPH, capture=True, falls_back=True), want)
     assert dec.graphs.mode is DecodeMode.UNROLLED
     lines = [r.getMessage() for r in caplog.records if r.name == "transcribe"]
     assert lines == ["decoder mode full-graph capture failed (capture is not permitted here); falling back to unrolled"]
     # a failing unrolled capture ends in eager, still decoding correctly
     monkeypatch.setitem(whisper_graph._RUNNERS, DecodeMode.UNROLLED, _FailingRunner)
-    assert_same(decode(dec, audio, DecodeMode.UNROLLED, capture=True), want)
+    assert_same(decode(dec, audio, DecodeMode.UNROLLED, capture=True, falls_back=True), want)
     assert dec.graphs.mode is DecodeMode.EAGER and dec.graphs.static is None and dec.mode == "eager"
+
+
+def test_a_capture_whose_first_batch_differs_from_eager_falls_back(base, monkeypatch, caplog):
+    """A new capture's first batch is decoded eagerly too; more than a quarter of its windows
+    decoding otherwise falls back to the next mode, eager's results returned (their words and
+    fallback read eager's cache)."""
+    chunked = GreedyDecoder._chunked
+
+    def broken(self, audio, static, runner):
+        results, order = chunked(self, audio, static, runner)
+        return [dataclasses.replace(r, tokens=r.tokens[:-1]) if i < 2 else r for i, r in enumerate(results)], order
+
+    monkeypatch.setattr(GreedyDecoder, "_chunked", broken)
+    files = tuple(FILES[:4])
+    dec = decoder_like(base, DecodeOptions())
+    with caplog.at_level(logging.WARNING, logger="transcribe"):
+        got = decode(dec, audio_states(base, files), DecodeMode.FULL_GRAPH, falls_back=True)
+    assert_same(got, eager_results(base, DecodeOptions(), files))
+    assert dec.graphs.mode is DecodeMode.UNROLLED and dec.graphs.static is None
+    assert [r.getMessage() for r in caplog.records if r.name == "transcribe"] == [
+        "decoder mode full-graph gave other tokens than eager in 2 of 4 rows of its first batch; "
+        "falling back to unrolled"]
+
+
+def test_a_replay_error_falls_back_and_decodes_the_batch(base, monkeypatch, caplog):
+    def refused(self, b):
+        raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+    monkeypatch.setattr(DirectRunner, "run", refused)
+    files = tuple(FILES[2:4])
+    dec = decoder_like(base, DecodeOptions())
+    with caplog.at_level(logging.WARNING, logger="transcribe"):
+        got = decode(dec, audio_states(base, files), DecodeMode.UNROLLED, falls_back=True)
+    assert_same(got, eager_results(base, DecodeOptions(), files))
+    assert dec.graphs.mode is DecodeMode.EAGER and dec.mode == "eager"
+    assert [r.getMessage() for r in caplog.records if r.name == "transcribe"] == [
+        "decoder mode unrolled replay failed (CUDA error: an illegal instruction was encountered); "
+        "falling back to eager"]
 
 
 # ---- GPU: real capture and replay -----------------------------------------------------------
