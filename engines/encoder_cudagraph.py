@@ -174,4 +174,4 @@ class CudaGraphEncoder:
         enc.zero_()
         elen.zero_()
         graph.replay()
-        return graph, disagreement(enc, elen, want, want_len)
+        return graph, disagreement(enc.transpose(1, 2), elen, want.transpose(1, 2), want_len)

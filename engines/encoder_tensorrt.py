@@ -7,6 +7,11 @@ shapes, binds torch tensors by address and enqueues the engine on that stream: n
 and the result is ordered with the torch work before and after it. Batches wider than the
 widest profile run in the eager torch encoder (logged once); batches with more rows than the
 profile's max_batch run as chunks of max_batch rows.
+
+At `reserve()` (startup) every profile runs a seeded check batch against the eager encoder
+(`encoder_backend.check_profiles`, tolerance by precision); an engine that disagrees (an fp16
+overflow, say) is not used: the encoder runs in eager torch, logged once with the profile and
+the error.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import torch
 from torch import Tensor
 
 from engines.conformer import ConformerEncoder
-from engines.encoder_backend import BucketProfile, FallbackLog, bucket_edges, in_chunks, pick_profile
+from engines.encoder_backend import (ENGINE_CHECK_RTOL, BucketProfile, FallbackLog, bucket_edges, check_profiles,
+                                     in_chunks, pick_profile)
 from engines.encoder_onnx import INPUTS, OUTPUTS
 from engines.encoder_tensorrt_build import ensure_engine, import_tensorrt
 
@@ -40,8 +46,11 @@ class TensorRTEncoder:
 
     name = "tensorrt"
 
-    def __init__(self, engine_path: str | os.PathLike, profiles: Sequence[BucketProfile], encoder: ConformerEncoder):
+    def __init__(self, engine_path: str | os.PathLike, profiles: Sequence[BucketProfile], encoder: ConformerEncoder,
+                 precision: str = "fp16"):
         trt = import_tensorrt()
+        self.precision = precision
+        self.off: str | None = None  # why the engine is not used (its startup check disagreed)
         self._trt = trt
         self.encoder = encoder
         self.device = encoder.pos_enc.pe.device
@@ -70,14 +79,22 @@ class TensorRTEncoder:
         device = encoder.pos_enc.pe.device
         path, built = ensure_engine(nemo_path, profiles, encoder.cfg.feat_in, precision, cache_dir, device)
         log.info("TensorRT encoder engine %s %s", "built:" if built else "from cache:", path)
-        return cls(path, profiles, encoder)
+        return cls(path, profiles, encoder, precision)
 
+    @torch.inference_mode()
     def reserve(self, max_items: int) -> None:
-        """Nothing to prepare: the engine was built (or loaded) when this backend was made."""
+        """Startup: check every profile against the eager encoder (the engine itself was built or
+        loaded when this backend was made)."""
+        why = check_profiles(self._run, self.encoder, self.profiles, ENGINE_CHECK_RTOL[self.precision])
+        if why is not None:
+            self.off = why
+            log.warning("tensorrt encoder %s: %s; the encoder runs in eager torch from now on", self.engine_path, why)
 
     def __call__(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features [B, n_mels, W] float32, lengths [B] int64 -> ([B, D, T'] float32, [B] int64)."""
         p = pick_profile(self.profiles, features.size(2))
+        if self.off is not None:
+            return self.encoder(features, lengths)
         if p is None:
             self._fallback(features.shape, f"is wider than the widest profile ({self.profiles[-1].frames} frames)")
             return self.encoder(features, lengths)

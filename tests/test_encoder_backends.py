@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import Reference, needs_shared
 
-from engines.encoder_backend import (BucketProfile, batch_sizes, bucket_edges, disagreement, fill_check_batch,
-                                     in_chunks, make_profiles, pick_bucket, pick_profile, resolve_backend, run_padded)
+from engines.encoder_backend import (BucketProfile, batch_sizes, bucket_edges, check_profiles, disagreement,
+                                     fill_check_batch, in_chunks, make_profiles, pick_bucket, pick_profile,
+                                     resolve_backend, run_padded)
 from engines.encoder_tensorrt_build import EngineSpec, atomic_write_bytes, default_cache_dir, model_digest
 from engines.parakeet import BUCKET_EDGES_S, ParakeetEngine
 from engines.transducer import TransducerDecoder
@@ -273,10 +274,11 @@ def test_export_engine_without_tensorrt_exits_1_naming_the_extra(tmp_path):
     assert _cli("--model", model, "--precision", "int8").returncode == 2
 
 
-def test_the_graph_check_batch_and_its_comparison(engine_and_ref):
-    """What a CUDA-graph capture is checked with (`encoder_cudagraph._capture`), on the CPU: a
-    seeded batch with rows of different lengths, and a comparison over valid frames that passes
-    eager against itself and catches a capture that ignores the lengths (masks baked in)."""
+def test_the_self_check_batch_and_its_comparison(engine_and_ref):
+    """What the GPU backends check themselves with at startup (`encoder_cudagraph._capture`,
+    `TensorRTEncoder.reserve`), on the CPU: a seeded batch with rows of different lengths, and a
+    comparison over valid frames that passes eager against itself and catches output that
+    ignores the lengths (masks baked in at capture) or is not finite."""
     engine, _ = engine_and_ref
     w = engine.profiles[0].frames
     feats, lens = torch.empty(4, engine.feature_cfg.features, w), torch.empty(4, dtype=torch.long)
@@ -286,16 +288,33 @@ def test_the_graph_check_batch_and_its_comparison(engine_and_ref):
     assert torch.equal(feats, again) and lens.tolist()[0] == w and lens.tolist()[-1] == (w + 1) // 2
     assert len(set(lens.tolist())) == 4 and 0.9 < float(feats.std()) < 1.1
     with torch.inference_mode():
-        enc, elen = (t.clone() for t in engine.encoder(feats, lens))
-        enc = enc.transpose(1, 2)  # the graphs' [b, T', D] buffers
+        enc, elen = (t.clone() for t in engine.encoder(feats, lens))  # [B, D, T'], as backends return
         assert disagreement(enc, elen, enc.clone(), elen.clone()) is None
         assert disagreement(enc + 1e-6 * torch.randn_like(enc), elen, enc, elen) is None
         junk = enc.clone()
         for row, n in enumerate(elen.tolist()):
-            junk[row, n:] = 1e3  # past each row's length: never read
+            junk[row, :, n:] = float("nan")  # past each row's length: never read
         assert disagreement(junk, elen, enc, elen) is None
-        full = torch.full_like(lens, w)
-        unmasked, ulen = engine.encoder(feats, full)
-        assert "output lengths" in disagreement(unmasked.transpose(1, 2), ulen, enc, elen)
-        why = disagreement(unmasked.transpose(1, 2), elen, enc, elen)  # right lengths, masks ignored
+        junk[0, 0, 0] = float("inf")
+        assert disagreement(junk, elen, enc, elen).startswith("relative error")
+        unmasked, ulen = engine.encoder(feats, torch.full_like(lens, w))
+        assert "output lengths" in disagreement(unmasked, ulen, enc, elen)
+        why = disagreement(unmasked, elen, enc, elen)  # right lengths, masks ignored
         assert why is not None and why.startswith("relative error")
+
+
+def test_check_profiles_names_the_first_profile_that_disagrees(engine_and_ref):
+    """TensorRT's startup check, with the eager encoder standing in for the engine: exact
+    passes; an engine whose error grows with the width fails at the first profile past the
+    tolerance, named with its seconds."""
+    engine, _ = engine_and_ref
+    profiles = engine.profiles[:3]
+
+    def run(i, features, lengths):
+        enc, n = engine.encoder(features, lengths)
+        return enc * (1 + 0.03 * i), n  # profile 0 exact, 1 off by 3 %, 2 by 6 %
+
+    with torch.inference_mode():
+        assert check_profiles(lambda i, f, n: engine.encoder(f, n), engine.encoder, profiles, 1e-3) is None
+        assert check_profiles(run, engine.encoder, profiles, 5e-2) == \
+            f"profile 2 ({profiles[2].seconds:g} s): relative error 6.00e-02 against eager (tolerance 5e-02)"

@@ -124,6 +124,28 @@ def test_tensorrt_matches_eager(precision, variants, tmp_path):
 
 @pytest.mark.gpu
 @needs_shared
+def test_a_tensorrt_engine_that_fails_its_startup_check_is_not_used(monkeypatch, tmp_path):
+    pytest.importorskip("tensorrt")
+    from engines import encoder_tensorrt
+
+    ref = Reference("tdt_tiny")
+    opts = BackendOptions(max_batch=2, precision="fp16", cache_dir=str(tmp_path))
+    engine = ParakeetEngine.from_nemo(ref.nemo, "cuda", encoder_backend="tensorrt", backend_options=opts)
+    backend = engine.encoder_backend
+    with torch.inference_mode():
+        engine.reserve(2)
+        assert backend.off is None  # the real check passes on a sound engine
+        monkeypatch.setattr(encoder_tensorrt, "check_profiles", lambda *a: "profile 0 (2 s): relative error nan")
+        backend.reserve(2)
+        feats, flen = engine._batch(_features(ref)[:2])
+        got, got_len = backend(feats, flen)
+        want, want_len = engine.encoder(feats, flen)
+    assert backend.off == "profile 0 (2 s): relative error nan"
+    assert torch.equal(got, want) and torch.equal(got_len, want_len)
+
+
+@pytest.mark.gpu
+@needs_shared
 def test_compile_tokens_identical_to_eager_on_cuda():
     ref = Reference("tdt_tiny")
     engine = ParakeetEngine.from_nemo(ref.nemo, "cuda", encoder_backend="compile")
