@@ -274,7 +274,8 @@ class _Job:
         off) runs again in halves, so only pieces that fail on their own fail their files; a
         batch that ran out of memory also sets the size from which later batches are halved
         before they run, instead of failing first every time."""
-        if len(batch) > 1 and _padded_seconds(batch, self.engine.sample_rate) >= self.split_at_s:
+        size = _padded_seconds(batch, self.engine.sample_rate)
+        if len(batch) > 1 and size >= self.split_at_s:
             return self._halves(batch, slab)
         views = [torch.from_numpy(slab.view(p.slot, (p.n_mels, p.frames))) for p in batch]
         try:
@@ -283,7 +284,6 @@ class _Job:
             error = e
         finally:
             del views
-        size = _padded_seconds(batch, self.engine.sample_rate)
         if _out_of_memory(error):
             self.split_at_s = min(self.split_at_s, size)
             _release_cached_memory(self.engine.device)
