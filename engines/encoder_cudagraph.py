@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from engines.conformer import ConformerEncoder
+from engines.decode_graphs import warm_up
 from engines.encoder_backend import (BucketProfile, FallbackLog, batch_sizes, bucket_edges, disagreement,
                                      fill_bucket, fill_check_batch, in_chunks, output_frames, pick_bucket,
                                      pick_profile)
@@ -158,11 +159,7 @@ class CudaGraphEncoder:
 
         # Warm up on a side stream (cuBLAS/cuDNN handles and workspaces, lazy inits), as the
         # torch.cuda.graphs docs require, then capture into the shared pool.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        warm_up(self.device, step)
         want, want_len = enc.clone(), elen.clone()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
