@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from transcribe.inputs import InputError, discover, output_stems, read_manifest, shard
+from transcribe.inputs import InputError, discover, output_stems, parse_shard, read_manifest, shard
 
 
 def _touch(p: Path) -> Path:
@@ -60,9 +60,10 @@ def test_shards_partition_the_inputs(tmp_path):
     for i in range(10):
         _touch(tmp_path / f"{i}.wav")
     files = discover([str(tmp_path)])
-    parts = [shard(files, f"{i}/3") for i in (1, 2, 3)]
+    parts = [shard(files, parse_shard(f"{i}/3")) for i in (1, 2, 3)]
     assert sorted(f.path for p in parts for f in p) == sorted(f.path for f in files)
     assert [len(p) for p in parts] == [4, 3, 3]
+    assert shard(files, None) == files
     for bad in ("4/3", "0/2", "1/0", "a/b", "1-2"):
         with pytest.raises(ValueError, match="--shard"):
-            shard(files, bad)
+            parse_shard(bad)

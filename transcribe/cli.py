@@ -85,14 +85,13 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     if dtype not in DTYPE_CHOICES:
         raise _fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
     options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
-    if shard_spec:
-        try:
-            parse_shard(shard_spec)
-        except ValueError as e:
-            raise _fail(str(e), EXIT_USAGE)
+    try:
+        part = parse_shard(shard_spec) if shard_spec else None
+    except ValueError as e:
+        raise _fail(str(e), EXIT_USAGE)
 
     try:
-        files = shard(discover(inputs), shard_spec)
+        files = shard(discover(inputs), part)
     except InputError as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
     if not files:

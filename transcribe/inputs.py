@@ -114,10 +114,11 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
-def shard(files: list[InputFile], spec: str | None) -> list[InputFile]:
-    """The files of shard `I/N` (1-based I): a deterministic split by position in sorted order."""
-    if not spec:
+def shard(files: list[InputFile], part: tuple[int, int] | None) -> list[InputFile]:
+    """The files of shard (I, N) (`parse_shard`; 1-based I): a deterministic split by position
+    in sorted order. None: all of them."""
+    if part is None:
         return files
-    i, n = parse_shard(spec)
+    i, n = part
     ordered = sorted(files, key=lambda f: str(f.path))
     return ordered[i - 1 :: n]
