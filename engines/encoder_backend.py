@@ -152,9 +152,17 @@ def disagreement(got: Tensor, got_lengths: Tensor, want: Tensor, want_lengths: T
     if not torch.equal(got_lengths.cpu(), want_lengths.cpu()):
         return f"output lengths {got_lengths.tolist()} against eager's {want_lengths.tolist()}"
     valid = torch.arange(want.shape[-1], device=want.device)[None, None, :] < want_lengths[:, None, None]
-    diff = torch.where(valid, got.float() - want.float(), 0.0)
-    err = float(diff.norm() / (torch.where(valid, want.float(), 0.0).norm() + 1e-12))
+    err = relative_error(got, want, valid)
     return None if err <= rtol else f"relative error {err:.2e} against eager (tolerance {rtol:.0e})"
+
+
+def relative_error(got: Tensor, want: Tensor, valid: Tensor | None = None) -> float:
+    """||got - want|| / ||want|| in fp32 over the elements where `valid` (broadcast; None: all);
+    NaN or inf in either gives NaN or inf, which no tolerance passes."""
+    diff, ref = got.float() - want.float(), want.float()
+    if valid is not None:
+        diff, ref = torch.where(valid, diff, 0.0), torch.where(valid, ref, 0.0)
+    return float(diff.norm() / (ref.norm() + 1e-12))
 
 
 def check_profiles(run: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]], encoder,

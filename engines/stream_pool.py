@@ -11,8 +11,10 @@ runs one `CacheAwareEncoder.step` (each row attends over its own valid cache onl
 offline decoder's label-looping stages continuing from each row's own decoder state (RNN-T or
 TDT), then scatters the rows back. With `attention_kernel="triton"` (picked by "auto" on CUDA)
 the attention caches are not gathered: the fused Triton kernel reads them by slot and updates
-them in place (`CacheAwareEncoder.step_in_pool`); if it fails to build at runtime the pool
-falls back to the gather path for good, with one warning. Slots are handed out by `acquire` and returned by
+them in place (`CacheAwareEncoder.step_in_pool`). Before the pool picks the kernel, one seeded
+step through it must match the gather path's (`kernel_disagrees`, which also compiles it); if it
+fails to build later, at runtime, the pool falls back to the gather path for good, with one
+warning. Slots are handed out by `acquire` and returned by
 `release`, which also resets them, so a finished, failed or vanished stream leaves no state.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import Tensor
 
 from engines.decode_stages import Hypothesis
 from engines.slot_pool import DecoderSlots, PoolExhausted, SlotPool
+from engines.encoder_backend import relative_error
 from engines.stream_attention_triton import KernelUnavailable, kernel_unusable, triton_available
 from engines.streaming_encoder import CacheAwareEncoder, EncoderCaches
 from engines.transducer import TransducerDecoder
@@ -34,6 +37,9 @@ __all__ = ["ChunkInput", "PoolExhausted", "StreamPool", "pad_features"]
 
 log = logging.getLogger("transcribe")
 ATTENTION_KERNELS = ("auto", "triton", "torch")
+# `kernel_disagrees`: the fused step's largest relative L2 error against the gather path's. In
+# fp32 the kernel's dots run in IEEE fp32 (errors near 1e-6); fp16/bf16 round each product.
+KERNEL_CHECK_RTOL = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,9 @@ class StreamPool(SlotPool):
         if request == "auto" and not on_cuda:  # auto never picks the interpreter: the CPU path stays as is
             log.debug("streaming attention: torch (the fused kernel is for CUDA)")
             return "torch"
-        reason = kernel_unusable([layer.self_attn for layer in self.encoder.encoder.layers], self.device,
-                                 self.att.dtype)
+        reason = (kernel_unusable([layer.self_attn for layer in self.encoder.encoder.layers], self.device,
+                                  self.att.dtype)
+                  or kernel_disagrees(self.encoder, self.device))
         if reason is None:
             log.info("streaming attention: fused Triton kernel (%s)", "auto" if request == "auto" else "requested")
             return "triton"
@@ -117,6 +124,44 @@ class StreamPool(SlotPool):
         self.conv.index_copy_(1, idx, nxt.conv)
         self.att_len.index_copy_(0, idx, nxt.att_len)
         return self.dec.decode(idx, enc, enc_len)
+
+
+@torch.inference_mode()
+def kernel_disagrees(encoder: CacheAwareEncoder, device: torch.device | str) -> str | None:
+    """One seeded step through the fused kernel (`step_in_pool`) and through the gather path
+    (`step`) on scratch caches of 3 rows -> why they differ (encodings, next attention and conv
+    caches, next valid lengths), or None. The rows cover every mask: a later chunk over a full
+    attention cache, a later chunk a third shorter over half a cache, and a stream's first chunk
+    over an empty one. The kernels are built (JIT-compiled) here, at startup, rather than in the
+    first real step. The pool's own caches are not touched."""
+    cfg = encoder.cfg
+    gen = torch.Generator(device=device).manual_seed(0)
+    caches = encoder.initial_caches(3, device)
+    caches.att[:, :2].normal_(generator=gen)
+    caches.conv[:, :2].normal_(generator=gen)
+    caches.att_len.copy_(torch.tensor([cfg.att_cache, cfg.att_cache // 2, 0]))
+    n_mels = encoder.encoder.cfg.feat_in
+    later, first = cfg.pre_encode_cache[1] + cfg.chunk_frames[1], cfg.chunk_frames[0]
+    widths = (later, later - cfg.chunk_frames[1] // 3, first)
+    features, lengths = pad_features([torch.randn(n_mels, w, generator=gen, device=device) for w in widths], device)
+    drop = torch.tensor([cfg.drop_extra, cfg.drop_extra, 0], device=device)
+    want, want_len, nxt = encoder.step(features, lengths, drop, caches)
+    att, conv = caches.att.clone(), caches.conv.clone()
+    try:
+        got, got_len, got_att_len = encoder.step_in_pool(features, lengths, drop, att, conv,
+                                                          torch.arange(3, device=device), caches.att_len)
+    except KernelUnavailable as e:
+        return f"the fused kernel failed to build: {e}"
+    if not (torch.equal(got_len, want_len) and torch.equal(got_att_len, nxt.att_len)):
+        return (f"the fused step's valid lengths {got_len.tolist()}, {got_att_len.tolist()} differ from the "
+                f"gather path's {want_len.tolist()}, {nxt.att_len.tolist()}")
+    valid = (torch.arange(want.shape[1], device=device)[None, :] < want_len[:, None])[:, :, None]
+    rtol = KERNEL_CHECK_RTOL[caches.att.dtype]
+    for name, err in (("encodings", relative_error(got, want, valid)), ("attention caches", relative_error(att, nxt.att)),
+                      ("conv caches", relative_error(conv, nxt.conv))):
+        if not err <= rtol:  # NaN too
+            return f"the fused step's {name} differ from the gather path's: relative error {err:.2e} (tolerance {rtol:.0e})"
+    return None
 
 
 def pad_features(features: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor]:

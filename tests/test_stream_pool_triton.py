@@ -17,7 +17,7 @@ import torch
 from conftest import needs_shared, needs_triton, run_in_triton_interpreter
 from engines.checkpoint import NemoArchive, sub_state_dict
 from engines.conformer import ConformerEncoder, EncoderConfig
-from engines.stream_pool import ChunkInput, StreamPool
+from engines.stream_pool import ChunkInput, StreamPool, kernel_disagrees
 from engines.streaming_encoder import CacheAwareEncoder, chunk_features, chunk_plan
 
 pytestmark = needs_shared
@@ -149,6 +149,47 @@ def test_in_pool_step_and_fallback_keep_tokens(cpu_parts, monkeypatch, caplog):
         assert _run(pool, feats)[0] == want
     assert pool.attention_kernel == "torch" and seen
     assert sum("using torch from now on" in r.message for r in caplog.records) == 1
+
+
+def test_startup_check_catches_a_wrong_or_unbuildable_kernel(cpu_parts, monkeypatch):
+    """`kernel_disagrees` runs the in-pool step (here the dispatchers' torch paths, made wrong
+    the ways a kernel could be) against the gather path; a pool asked for the kernel refuses
+    it with the reason, its own caches untouched."""
+    import engines.stream_attention_triton as sat
+    import engines.stream_pool as sp
+
+    enc, dec, _ = cpu_parts
+    attend, shift = sat.fused_cache_attention, sat.shift_cache_by_index_
+
+    def use(attention=None, shift_rows=None):
+        def fused(attn, x, cache, idx, *a, use_triton, **kw):
+            return attend(attn, x, cache, attention(idx) if attention else idx, *a, use_triton=False, **kw)
+
+        def shifted(cache, idx, new, length, use_triton):
+            shift(cache, shift_rows(idx) if shift_rows else idx, new, length, use_triton=False)
+        monkeypatch.setattr(sat, "fused_cache_attention", fused)
+        monkeypatch.setattr(sat, "shift_cache_by_index_", shifted)
+
+    use()
+    assert kernel_disagrees(enc, "cpu") is None  # a faithful kernel passes
+    use(attention=lambda idx: idx.flip(0))  # reads another stream's slot
+    assert "encodings differ from the gather path's: relative error" in kernel_disagrees(enc, "cpu")
+    use(shift_rows=lambda idx: idx.roll(1))  # writes the new frames into other slots
+    assert "attention caches differ" in kernel_disagrees(enc, "cpu")
+
+    def unbuildable(*a, **kw):
+        raise sat.KernelUnavailable("attn_kernel: CompilationError: simulated")
+    monkeypatch.setattr(sat, "fused_cache_attention", unbuildable)
+    assert kernel_disagrees(enc, "cpu") == "the fused kernel failed to build: attn_kernel: CompilationError: simulated"
+
+    use(attention=lambda idx: idx.flip(0))
+    monkeypatch.setattr(sp, "kernel_unusable", lambda *a: None)  # as on CUDA
+    with pytest.raises(ValueError, match="attention_kernel='triton' cannot run: the fused step's encodings differ"):
+        StreamPool(enc, dec, 2, attention_kernel="triton")
+    use()
+    pool = StreamPool(enc, dec, 2, attention_kernel="triton")
+    assert pool.attention_kernel == "triton"
+    assert not pool.att.any() and not pool.conv.any() and not pool.att_len.any()  # checked on scratch caches
 
 
 @pytest.mark.gpu
