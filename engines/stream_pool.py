@@ -28,7 +28,7 @@ from torch import Tensor
 
 from engines.decode_stages import Hypothesis
 from engines.slot_pool import DecoderSlots, PoolExhausted, SlotPool
-from engines.encoder_backend import relative_error
+from engines.encoder_backend import FUSED_CHECK_RTOL, relative_error
 from engines.stream_attention_triton import KernelUnavailable, kernel_unusable, triton_available
 from engines.streaming_encoder import CacheAwareEncoder, EncoderCaches
 from engines.transducer import TransducerDecoder
@@ -37,9 +37,6 @@ __all__ = ["ChunkInput", "PoolExhausted", "StreamPool", "pad_features"]
 
 log = logging.getLogger("transcribe")
 ATTENTION_KERNELS = ("auto", "triton", "torch")
-# `kernel_disagrees`: the fused step's largest relative L2 error against the gather path's. In
-# fp32 the kernel's dots run in IEEE fp32 (errors near 1e-6); fp16/bf16 round each product.
-KERNEL_CHECK_RTOL = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 
 
 @dataclass(frozen=True)
@@ -156,7 +153,7 @@ def kernel_disagrees(encoder: CacheAwareEncoder, device: torch.device | str) -> 
         return (f"the fused step's valid lengths {got_len.tolist()}, {got_att_len.tolist()} differ from the "
                 f"gather path's {want_len.tolist()}, {nxt.att_len.tolist()}")
     valid = (torch.arange(want.shape[1], device=device)[None, :] < want_len[:, None])[:, :, None]
-    rtol = KERNEL_CHECK_RTOL[caches.att.dtype]
+    rtol = FUSED_CHECK_RTOL[caches.att.dtype]  # the kernel's fp32 dots run in IEEE fp32
     for name, err in (("encodings", relative_error(got, want, valid)), ("attention caches", relative_error(att, nxt.att)),
                       ("conv caches", relative_error(conv, nxt.conv))):
         if not err <= rtol:  # NaN too

@@ -318,3 +318,48 @@ def test_check_profiles_names_the_first_profile_that_disagrees(engine_and_ref):
         assert check_profiles(lambda i, f, n: engine.encoder(f, n), engine.encoder, profiles, 1e-3) is None
         assert check_profiles(run, engine.encoder, profiles, 5e-2) == \
             f"profile 2 ({profiles[2].seconds:g} s): relative error 6.00e-02 against eager (tolerance 5e-02)"
+
+
+class StandInCompile:
+    """torch.compile's stand-in for `TorchEncoder`: the eager encoder, off by `scale`, or raising."""
+
+    def __init__(self, scale: float = 1.0, error: Exception | None = None):
+        self.scale, self.error, self.calls = scale, error, 0
+
+    def __call__(self, module, dynamic):
+        def compiled(features, lengths, static):
+            self.calls += 1
+            if self.error is not None:
+                raise self.error
+            enc, n = module(features, lengths, static=static)
+            return enc * self.scale, n
+        return compiled
+
+
+@needs_shared
+@pytest.mark.parametrize("stand_in, why", [
+    (StandInCompile(), None),
+    (StandInCompile(scale=1.01), "profile 0 (2 s): relative error 1.00e-02 against eager (tolerance 1e-03)"),
+    (StandInCompile(error=RuntimeError("BackendCompilerFailed: simulated")),
+     "it failed to compile: RuntimeError: BackendCompilerFailed: simulated"),
+], ids=["faithful", "off_by_1_percent", "fails_to_compile"])
+def test_compile_backend_checks_itself_at_startup(stand_in, why, monkeypatch, caplog):
+    """`reserve()` compiles and checks every profile's seeded batch against eager; a compile that
+    fails or disagrees is turned off with the reason logged, and the encoder runs eagerly."""
+    monkeypatch.setattr(torch, "compile", stand_in)
+    ref = Reference("tdt_tiny")
+    engine = ParakeetEngine.from_nemo(ref.nemo, "cpu", encoder_backend="compile")
+    backend = engine.encoder_backend
+    with caplog.at_level("WARNING", logger="transcribe"):
+        engine.reserve(4)
+    assert backend.off == why
+    assert stand_in.calls == (len(engine.profiles) if why is None else 1)
+    assert [r.message for r in caplog.records if "compile encoder" in r.message] == \
+        ([] if why is None else [f"compile encoder: {why}; the encoder runs in eager torch from now on"])
+    feats, flen = engine._batch(_features(engine, ref)[:2])
+    calls = stand_in.calls
+    with torch.inference_mode():
+        got, got_len = backend(feats, flen)
+        want, want_len = engine.encoder(feats, flen)
+    assert stand_in.calls == calls + (why is None)  # the compiled encoder runs only while it is on
+    assert torch.equal(got_len, want_len) and torch.equal(got, want)

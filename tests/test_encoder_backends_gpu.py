@@ -149,6 +149,8 @@ def test_a_tensorrt_engine_that_fails_its_startup_check_is_not_used(monkeypatch,
 def test_compile_tokens_identical_to_eager_on_cuda():
     ref = Reference("tdt_tiny")
     engine = ParakeetEngine.from_nemo(ref.nemo, "cuda", encoder_backend="compile")
+    engine.reserve(len(ref.files))  # compiles and checks every profile against eager
+    assert engine.encoder_backend.off is None
     assert [r.tokens for r in engine.transcribe(_pieces(ref))] == [f["tokens"] for f in ref.files]
 
 
