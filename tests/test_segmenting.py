@@ -60,3 +60,18 @@ def test_stitch_moves_times_by_offsets():
     assert s.text == "a b c"
     assert [(w.word, w.start) for w in s.words] == [("a", 0.0), ("b", 0.2), ("c", 10.5)]
     assert s.segments[1].start == 10.5 and s.tokens == [1, 2, 3]
+
+
+def test_stitched_times_of_a_piece_end_where_the_next_begins():
+    """A transducer's last word can end past its piece (a TDT duration, the frame grid): cut
+    back to the next piece's start, so words and cues never overlap across pieces; the last
+    piece keeps its own times, as a whole file does."""
+    r1 = Result(text="a b", words=[Word("a", 0.0, 0.1), Word("b", 9.9, 10.3)], segments=[Segment("a b", 0.0, 10.3)])
+    r2 = Result(text="c", words=[Word("c", 0.0, 0.4)], segments=[Segment("c", 0.0, 0.4)])
+    r3 = Result(text="d", words=[Word("d", 4.8, 5.3)], segments=[Segment("d", 4.8, 5.3)])
+    s = stitch([r1, r2, r3], [0.0, 10.0, 20.0])
+    assert [(w.word, w.start, w.end) for w in s.words] == [("a", 0.0, 0.1), ("b", 9.9, 10.0), ("c", 10.0, 10.4),
+                                                           ("d", 24.8, 25.3)]
+    assert [(g.start, g.end) for g in s.segments] == [(0.0, 10.0), (10.0, 10.4), (24.8, 25.3)]
+    alone = stitch([r1], [0.0])
+    assert alone.words[-1].end == 10.3 and alone.segments[-1].end == 10.3

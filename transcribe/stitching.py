@@ -1,27 +1,35 @@
 """Stitching: join the results of a file's pieces into one, with file-relative times."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from transcribe.results import Result
 
 
-def shift(result: Result, offset: float) -> Result:
-    """The same result with every word and segment time moved by `offset` seconds."""
-    if offset == 0.0:
+def shift(result: Result, offset: float, until: float = math.inf) -> Result:
+    """The same result with every word and segment time moved by `offset` seconds, and times
+    past `until` (file seconds) pulled back to it."""
+    if offset == 0.0 and until == math.inf:
         return result
     return replace(
         result,
-        words=[replace(w, start=w.start + offset, end=w.end + offset) for w in result.words],
-        segments=[replace(s, start=s.start + offset, end=s.end + offset) for s in result.segments],
+        words=[replace(w, start=min(w.start + offset, until), end=min(w.end + offset, until)) for w in result.words],
+        segments=[replace(s, start=min(s.start + offset, until), end=min(s.end + offset, until))
+                  for s in result.segments],
     )
 
 
 def stitch(parts: list[Result], offsets: list[float]) -> Result:
-    """One Result for a whole file from its pieces (in order) and their start offsets (s)."""
+    """One Result for a whole file from its pieces (in order) and their start offsets (s).
+
+    A piece's times end where the next piece begins: a transducer's last token can end a few
+    frames past its piece's audio (its TDT duration, the 80 ms frame grid), which would
+    overlap the next piece's first word and subtitle cue. The last piece keeps its times, as
+    a single piece does (NeMo's times for a whole file)."""
     if len(parts) == 1:
         return shift(parts[0], offsets[0])
-    moved = [shift(p, o) for p, o in zip(parts, offsets)]
+    moved = [shift(p, o, until) for p, o, until in zip(parts, offsets, [*offsets[1:], math.inf])]
     return replace(
         moved[0],
         text=" ".join(p.text.strip() for p in moved if p.text.strip()),
