@@ -14,8 +14,8 @@ the attention caches are not gathered: the fused Triton kernel reads them by slo
 them in place (`CacheAwareEncoder.step_in_pool`). Before the pool picks the kernel, one seeded
 step through it must match the gather path's (`kernel_disagrees`, which also compiles it); if it
 fails to build later, at runtime, the pool falls back to the gather path for good, with one
-warning. Slots are handed out by `acquire` and returned by
-`release`, which also resets them, so a finished, failed or vanished stream leaves no state.
+warning. Slots are handed out by `acquire` and returned by `release`, which also resets them,
+so a finished, failed or vanished stream leaves no state.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from engines.decode_stages import Hypothesis
-from engines.slot_pool import DecoderSlots, PoolExhausted, SlotPool
 from engines.encoder_backend import FUSED_CHECK_RTOL, relative_error
+from engines.slot_pool import DecoderSlots, PoolExhausted, SlotPool
 from engines.stream_attention_triton import KernelUnavailable, kernel_unusable, triton_available
 from engines.streaming_encoder import CacheAwareEncoder, EncoderCaches
 from engines.transducer import TransducerDecoder
