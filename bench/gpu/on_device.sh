@@ -19,6 +19,12 @@
 #                                               # 10 minutes: only where no call limit applies)
 #
 # e.g. a quick first pass: `bash bench/gpu/on_device.sh bench-modes --min-hours 0.25`.
+#
+# Several stages in one call (a machine goes back 30 s after a call, and each fresh start costs
+# minutes of the session's device time): `on_device.sh tests bench-modes bench-nemo --budget 560`
+# runs them in that order, each cut off (timeout) at what is left of the budget in seconds, and
+# packs their logs and JSON into $OUT/stages.tar.gz (the tool brings back at most 8 files), with
+# one line per stage in $OUT/stages.log.
 # Logs and JSON go to $OUT (the tool brings them back); gpu_bench JSON is rewritten after every
 # run, so a call cut off at the limit still returns the runs that finished. Join the bench-*
 # reports here with `python bench/gpu_bench.py --merge A.json B.json ... --json gpu.json`.
@@ -28,26 +34,50 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-STAGE=${1:-tests}
-[ $# -gt 0 ] && shift
+STAGES=()
 MIN_HOURS=1
+BUDGET=
 usage() {
-  echo "usage: on_device.sh tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|stream|features|bench [--min-hours H]"
+  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|stream|features|bench"
   exit 2
 }
 while [ $# -gt 0 ]; do
   case $1 in
     --min-hours) [ $# -ge 2 ] || usage; MIN_HOURS=$2; shift 2 ;;
     --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
+    --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift 2 ;;
+    --budget=*) BUDGET=${1#*=}; shift ;;
+    tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench|stream|features) STAGES+=("$1"); shift ;;
     *) usage ;;
   esac
 done
-case $STAGE in
-  tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench|stream|features) ;;
-  *) usage ;;
-esac
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpukit/whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(tests)
+if [ ${#STAGES[@]} -gt 1 ] || [ -n "$BUDGET" ]; then
+  # One call, several stages: each runs as its own invocation of this script under timeout.
+  BUDGET=${BUDGET:-560}
+  case $BUDGET in ''|*[!0-9]*) usage ;; esac
+  START=$SECONDS
+  mkdir -p "$OUT/stages"
+  for s in "${STAGES[@]}"; do
+    left=$((BUDGET - (SECONDS - START)))
+    if [ "$left" -lt 30 ]; then
+      echo "$s: not run, ${left} s of the budget left" | tee -a "$OUT/stages.log"
+      continue
+    fi
+    t0=$SECONDS
+    OUT="$OUT/stages" timeout --kill-after=10 "$left" bash "$0" "$s" --min-hours "$MIN_HOURS"
+    rc=$?
+    case $rc in 124|137) how="cut off at the budget" ;; *) how="exit $rc" ;; esac
+    echo "$s: $how after $((SECONDS - t0)) s" | tee -a "$OUT/stages.log"
+  done
+  tar -czf "$OUT/stages.tar.gz" -C "$OUT" stages && rm -rf "$OUT/stages"
+  exit 0
+fi
+STAGE=${STAGES[0]}
+if [ ! -f /tmp/site/.kit ]; then  # once per machine: a sequence's stages share it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpukit/whl/*.whl \
+    && touch /tmp/site/.kit || { echo "wheel install failed"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 ln -sfn "$PWD/.gpukit/shared" ../shared  # tests and benches read ../shared
 nvidia-smi -L
