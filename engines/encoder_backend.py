@@ -217,6 +217,13 @@ def in_chunks(call: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], features:
     return torch.cat(encs, 0), torch.cat(lens, 0)
 
 
+def turned_off(label: str, why: str) -> str:
+    """A backend whose startup check or capture failed: log it once (the caller keeps the
+    backend off from then on) -> `why`, for the backend's `off`."""
+    log.warning("%s: %s; the encoder runs in eager torch from now on", label, why)
+    return why
+
+
 class FallbackLog:
     """Logs, once per backend, that a shape went to the eager encoder and why."""
 

@@ -28,7 +28,6 @@ captured the same way: its input and output casts are part of the forward, so of
 """
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
@@ -38,9 +37,7 @@ from engines.conformer import ConformerEncoder
 from engines.decode_graphs import warm_up
 from engines.encoder_backend import (BucketProfile, FallbackLog, batch_sizes, bucket_edges, disagreement,
                                      fill_bucket, fill_check_batch, in_chunks, output_frames, pick_bucket,
-                                     pick_profile)
-
-log = logging.getLogger("transcribe")
+                                     pick_profile, turned_off)
 
 
 class CudaGraphEncoder:
@@ -139,9 +136,8 @@ class CudaGraphEncoder:
         except RuntimeError as e:  # torch's error type for a refused capture
             graph, why = None, f"capture failed ({e})"
         if why is not None:
-            self.off = f"bucket {key}: {why}"
+            self.off = turned_off(f"{self.name} encoder", f"bucket {key}: {why}")
             self.graphs.clear()
-            log.warning("cuda-graphs encoder: %s; the encoder runs in eager torch from now on", self.off)
             return None
         self.graphs[key] = graph
         return graph

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from engines.conformer import ConformerEncoder
 from engines.encoder_backend import (ENGINE_CHECK_RTOL, BucketProfile, FallbackLog, bucket_edges, check_profiles,
-                                     in_chunks, pick_profile)
+                                     in_chunks, pick_profile, turned_off)
 from engines.encoder_onnx import INPUTS, OUTPUTS
 from engines.encoder_tensorrt_build import ensure_engine, import_tensorrt
 
@@ -87,14 +87,13 @@ class TensorRTEncoder:
         loaded when this backend was made)."""
         why = check_profiles(self._run, self.encoder, self.profiles, ENGINE_CHECK_RTOL[self.precision])
         if why is not None:
-            self.off = why
-            log.warning("tensorrt encoder %s: %s; the encoder runs in eager torch from now on", self.engine_path, why)
+            self.off = turned_off(f"{self.name} encoder {self.engine_path}", why)
 
     def __call__(self, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """features [B, n_mels, W] float32, lengths [B] int64 -> ([B, D, T'] float32, [B] int64)."""
-        p = pick_profile(self.profiles, features.size(2))
         if self.off is not None:
             return self.encoder(features, lengths)
+        p = pick_profile(self.profiles, features.size(2))
         if p is None:
             self._fallback(features.shape, f"is wider than the widest profile ({self.profiles[-1].frames} frames)")
             return self.encoder(features, lengths)

@@ -17,17 +17,14 @@ the encoder runs eagerly, logged once with the reason.
 """
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from engines.conformer import ConformerEncoder
-from engines.encoder_backend import FUSED_CHECK_RTOL, BucketProfile, bucket_edges, check_profiles
+from engines.encoder_backend import FUSED_CHECK_RTOL, BucketProfile, bucket_edges, check_profiles, turned_off
 from engines.fast_linear import PackedLinear
-
-log = logging.getLogger("transcribe")
 
 
 class TorchEncoder:
@@ -68,5 +65,4 @@ class TorchEncoder:
         except Exception as e:  # dynamo / Inductor raise many types (BackendCompilerFailed, Unsupported, ...)
             why = f"it failed to compile: {type(e).__name__}: {e}"
         if why is not None:
-            self._compiled, self.off = None, why
-            log.warning("compile encoder: %s; the encoder runs in eager torch from now on", why)
+            self._compiled, self.off = None, turned_off(f"{self.name} encoder", why)
