@@ -78,6 +78,33 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
 
 
 @needs_shared
+def test_broken_manifest_lines_fail_alone_and_the_rest_is_transcribed(tmp_path):
+    """A 100,000-line manifest with one bad line must not lose the night's run: the bad lines
+    fail in results.jsonl with the manifest, line and reason, the good ones are transcribed."""
+    ref = Reference("tdt_tiny")
+    m = tmp_path / "m.jsonl"
+    m.write_text("\n".join([
+        json.dumps({"audio_filepath": str(ref.audio_path(0))}),
+        '{"audio_filepath": "x.flac",',
+        json.dumps({"audio_filepath": str(ref.audio_path(1)), "duration": "n/a"}),
+        json.dumps({"audio_filepath": str(ref.audio_path(2))}),
+    ]) + "\n")
+    out = tmp_path / "out"
+    p = run_cli(str(m), "--model", str(ref.nemo), "--out", str(out))
+    assert p.returncode == 3, p.stderr
+    assert "Traceback" not in p.stderr
+    rows = {r["audio_filepath"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert len(rows) == 4
+    for i in (0, 2):
+        assert rows[str(ref.audio_path(i))]["text"] == ref.files[i]["transcribe_text"]
+    broken = rows[f"{m.resolve()}:2"]
+    assert broken["status"] == "error" and broken["error"].startswith(f"{m.resolve()}:2: not valid JSON")
+    bad_duration = rows[str(ref.audio_path(1))]
+    assert bad_duration["status"] == "error" and "duration 'n/a'" in bad_duration["error"]
+    assert f"{m.resolve()}:3: duration" in p.stderr
+
+
+@needs_shared
 def test_file_names_that_are_not_utf8_are_transcribed_logged_and_resumed(tmp_path):
     """A name with a Latin-1 byte (os.fsdecode keeps it as a lone surrogate) once crashed the
     whole run in soundfile's strict UTF-8 encoding of the path. Now it transcribes like any

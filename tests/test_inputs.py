@@ -42,11 +42,40 @@ def test_manifest_paths_are_relative_to_the_manifest(tmp_path):
     assert f.reference == "HELLO" and f.duration == 1.5
 
 
-def test_bad_manifest_and_missing_input_are_input_errors(tmp_path):
+def test_a_manifest_line_that_cannot_be_read_fails_alone_with_its_line_and_reason(tmp_path):
+    """Each broken line becomes an input that fails with `manifest:line: reason` (under its
+    audio path when it names one); the lines around it are read as usual."""
+    _touch(tmp_path / "good.flac")
     m = tmp_path / "m.jsonl"
-    m.write_text('{"text": "no path"}\n')
-    with pytest.raises(InputError, match="m.jsonl:1: no audio_filepath"):
-        read_manifest(m)
+    lines = [
+        json.dumps({"audio_filepath": "good.flac", "text": "FINE"}),
+        '{"audio_filepath": "cut.flac", "te',
+        json.dumps({"text": "no path"}),
+        json.dumps(["a", "list"]),
+        json.dumps({"audio_filepath": 7}),
+        json.dumps({"audio_filepath": "d.flac", "duration": "long"}),
+        json.dumps({"audio_filepath": "t.flac", "text": 5}),
+        json.dumps({"audio_filepath": "n.flac", "duration": -1}),
+    ]
+    m.write_bytes(("\n".join(lines) + "\n").encode() + b'{"audio_filepath": "caf\xe9.flac"}\n')
+    got = read_manifest(m)
+    assert len(got) == 9
+    assert got[0].problem is None and got[0].reference == "FINE"
+    where = str(m.resolve())
+    reasons = {
+        2: (f"{where}:2", "not valid JSON"), 3: (f"{where}:3", "no audio_filepath"),
+        4: (f"{where}:4", "not a JSON object"), 5: (f"{where}:5", "audio_filepath 7 is not a path"),
+        6: (str(tmp_path.resolve() / "d.flac"), "duration 'long' is not a number"),
+        7: (str(tmp_path.resolve() / "t.flac"), "text 5 is not a string"),
+        8: (str(tmp_path.resolve() / "n.flac"), "duration -1 is not a number"),
+        9: (f"{where}:9", "not UTF-8"),
+    }
+    for line, (path, reason) in reasons.items():
+        f = got[line - 1]
+        assert str(f.path) == path and f.problem.startswith(f"{where}:{line}: {reason}"), (line, f)
+
+
+def test_a_missing_input_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         discover([str(tmp_path / "nothing")])
 

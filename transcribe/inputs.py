@@ -7,6 +7,7 @@ is one (for WER in `transcribe bench`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -28,12 +29,14 @@ class InputFile:
 
     path: absolute path. rel: path relative to the input root (drives the output path).
     reference: the manifest's `text`, if any. duration: the manifest's `duration` (s), if any.
+    problem: why this input fails without being opened (a manifest line that cannot be read).
     """
 
     path: Path
     rel: Path
     reference: str | None = None
     duration: float | None = None
+    problem: str | None = None
 
 
 def discover(inputs: list[str]) -> list[InputFile]:
@@ -68,28 +71,49 @@ def _walk(root: Path) -> list[InputFile]:
 
 def read_manifest(path: Path) -> list[InputFile]:
     """A NeMo-style JSONL manifest: one object per line with `audio_filepath` (relative paths
-    are relative to the manifest's folder), optional `text` and `duration`."""
+    are relative to the manifest's folder), optional `text` and `duration`.
+
+    A line that cannot be read does not stop the job: it becomes an input that fails with the
+    reason (`InputFile.problem`), under its audio path if it names one, else under
+    `MANIFEST:LINE`, so it shows in results.jsonl and the run exits 3 with the rest done."""
     base = path.resolve().parent
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not valid JSON: {e}") from None
-            if not isinstance(row, dict) or "audio_filepath" not in row:
-                raise InputError(f"{path}:{lineno}: no audio_filepath")
-            audio = Path(row["audio_filepath"]).expanduser()
-            full = (audio if audio.is_absolute() else base / audio).resolve()
-            try:
-                rel = full.relative_to(base)
-            except ValueError:
-                rel = Path(full.name)
-            dur = row.get("duration")
-            out.append(InputFile(full, rel, row.get("text"), float(dur) if dur is not None else None))
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if raw.strip():
+                out.append(_manifest_entry(raw, path.resolve(), lineno, base))
     return out
+
+
+def _manifest_entry(raw: bytes, manifest: Path, lineno: int, base: Path) -> InputFile:
+    where = Path(f"{manifest}:{lineno}")  # stands for the line when it names no audio
+
+    def broken(reason: str, at: Path = where) -> InputFile:
+        return InputFile(at, Path(at.name), problem=f"{manifest}:{lineno}: {reason}")
+
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return broken("not UTF-8 text")
+    except json.JSONDecodeError as e:
+        return broken(f"not valid JSON: {e}")
+    if not isinstance(row, dict):
+        return broken("not a JSON object")
+    audio = row.get("audio_filepath")
+    if not isinstance(audio, str) or not audio.strip():
+        return broken("no audio_filepath" if audio is None else f"audio_filepath {audio!r} is not a path")
+    audio_path = Path(audio).expanduser()
+    full = (audio_path if audio_path.is_absolute() else base / audio_path).resolve()
+    try:
+        rel = full.relative_to(base)
+    except ValueError:
+        rel = Path(full.name)
+    text, dur = row.get("text"), row.get("duration")
+    if text is not None and not isinstance(text, str):
+        return broken(f"text {text!r} is not a string", full)
+    if dur is not None and not (type(dur) in (int, float) and math.isfinite(dur) and dur >= 0):
+        return broken(f"duration {dur!r} is not a number of seconds", full)
+    return InputFile(full, rel, text, float(dur) if dur is not None else None)
 
 
 def output_stems(files: list[InputFile]) -> dict[Path, Path]:

@@ -214,8 +214,11 @@ class _Job:
             gc.collect()
             gc.freeze()  # long-lived startup objects: out of every collection's scan while we run
             try:
-                for fid, f in self.files.items():
-                    pool.submit(fid, str(f.file.path))
+                for fid, f in list(self.files.items()):
+                    if f.file.problem:  # a manifest line that names nothing we can open
+                        self._fail(fid, f.file.problem)
+                    else:
+                        pool.submit(fid, str(f.file.path))
                 while self.files:
                     # Take every piece that has arrived (full buckets run as they fill), then,
                     # the model being free, run the fullest bucket rather than wait for more:
