@@ -80,6 +80,18 @@ def test_a_missing_input_is_an_input_error(tmp_path):
         discover([str(tmp_path / "nothing")])
 
 
+def test_links_back_up_the_tree_are_walked_once(tmp_path):
+    """`up -> ..` and `again -> ../a` inside `a/` made os.walk(followlinks=True) revisit the
+    tree at every level: discovery ran for minutes (exponential in the depth it reached)."""
+    _touch(tmp_path / "a" / "x.wav")
+    _touch(tmp_path / "b" / "y.flac")
+    (tmp_path / "a" / "up").symlink_to("..")
+    (tmp_path / "a" / "again").symlink_to("../a")
+    (tmp_path / "b" / "to_a").symlink_to("../a")
+    got = discover([str(tmp_path)])
+    assert sorted(str(f.rel) for f in got) == ["a/x.wav", "b/y.flac"]
+
+
 def test_duplicates_are_listed_once(tmp_path):
     a = _touch(tmp_path / "a.wav")
     assert len(discover([str(a), str(tmp_path)])) == 1

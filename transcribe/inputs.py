@@ -59,8 +59,20 @@ def discover(inputs: list[str]) -> list[InputFile]:
 
 
 def _walk(root: Path) -> list[InputFile]:
+    """Audio files under `root`, following links to folders, each real folder once: a link
+    back up the tree (`data/all -> ..`) would otherwise be walked again at every level."""
     out = []
+    seen: set[tuple[int, int]] = set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:  # gone since it was listed
+            dirnames.clear()
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames.clear()
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirnames.sort()
         for name in sorted(filenames):
             if Path(name).suffix.lower() in AUDIO_EXTENSIONS and not name.startswith("."):
