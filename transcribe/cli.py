@@ -138,7 +138,7 @@ def transcribe(
     task: str = typer.Option("transcribe", "--task", help=TASK_HELP),
 ) -> None:
     from transcribe.pipeline import run
-    from transcribe.writers import parse_formats
+    from transcribe.writers import needs_words, parse_formats
 
     try:
         formats = parse_formats(fmt)
@@ -146,7 +146,7 @@ def transcribe(
         raise _fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
-                                        features_on, dtype, batch_seconds, words="json" in formats, language=language,
+                                        features_on, dtype, batch_seconds, words=needs_words(formats), language=language,
                                         task=task, outputs=((out, "--out"),))
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,

@@ -10,12 +10,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
-
-class _Timed(Protocol):
-    start: float
-    end: float
+from transcribe.subtitles import cues
 
 
 def _clock(seconds: float, sep: str) -> str:
@@ -25,11 +22,6 @@ def _clock(seconds: float, sep: str) -> str:
     m, ms = divmod(ms, 60_000)
     s, ms = divmod(ms, 1000)
     return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
-
-
-def _cues(result) -> list:
-    """Subtitle cues: the result's segments, or one cue for the whole text if it has none."""
-    return [s for s in result.segments if s.text.strip()]
 
 
 def write_txt(result) -> str:
@@ -49,14 +41,14 @@ def write_json(result) -> str:
 
 def write_srt(result) -> str:
     blocks = [
-        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
-        for i, s in enumerate(_cues(result), 1)
+        f"{i}\n{_clock(c.start, ',')} --> {_clock(c.end, ',')}\n" + "\n".join(c.lines) + "\n"
+        for i, c in enumerate(cues(result), 1)
     ]
     return "\n".join(blocks)
 
 
 def write_vtt(result) -> str:
-    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in _cues(result)]
+    blocks = [f"{_clock(c.start, '.')} --> {_clock(c.end, '.')}\n" + "\n".join(c.lines) + "\n" for c in cues(result)]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
@@ -66,6 +58,12 @@ WRITERS: dict[str, Callable[[object], str]] = {
     "srt": write_srt,
     "vtt": write_vtt,
 }
+
+
+def needs_words(formats: list[str]) -> bool:
+    """Whether these outputs use word times (json lists them; srt and vtt cut long segments
+    into cues on them), so a model that computes them on request (Whisper) should."""
+    return bool({"json", "srt", "vtt"} & set(formats))
 
 
 def parse_formats(spec: str) -> list[str]:

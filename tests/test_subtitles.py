@@ -1,0 +1,122 @@
+"""Subtitle cues: long segments cut on word times into cues a viewer can read."""
+import math
+import random
+
+from transcribe.results import Result, Segment, Word
+from transcribe.subtitles import MAX_CUE_CHARS, MAX_CUE_SECONDS, MAX_LINE_CHARS, _timed_tokens, cues, wrap
+from transcribe.writers import needs_words, write_srt
+
+
+def _speech(n_words: int, seed: int, t0: float = 0.0, pause_every: int = 0) -> tuple[list[Word], str]:
+    """Words of 1-12 letters, some ending in a comma, 0.2-0.5 s each with short gaps."""
+    rng = random.Random(seed)
+    words, t = [], t0
+    for i in range(n_words):
+        w = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 12)))
+        if rng.random() < 0.1:
+            w += ","
+        d = rng.uniform(0.2, 0.5)
+        words.append(Word(w, t, t + d))
+        t += d + rng.uniform(0.0, 0.15) + (1.5 if pause_every and i % pause_every == pause_every - 1 else 0.0)
+    return words, " ".join(w.word for w in words)
+
+
+def _fits(cue_words: list[Word]) -> bool:
+    text = " ".join(w.word for w in cue_words)
+    lines = wrap(text.split())
+    return (len(text) <= MAX_CUE_CHARS and cue_words[-1].end - cue_words[0].start <= MAX_CUE_SECONDS
+            and max(map(len, lines)) <= MAX_LINE_CHARS)
+
+
+def _fewest_cues(words: list[Word]) -> int:
+    """Greedy packing: the fewest cues possible, since any run inside a cue that fits fits."""
+    count, cur = 0, []
+    for w in words:
+        if cur and not _fits(cur + [w]):
+            count, cur = count + 1, []
+        cur.append(w)
+    return count + (1 if cur else 0)
+
+
+def test_long_segments_become_the_fewest_readable_cues_with_their_words_times():
+    for seed in range(20):
+        words, text = _speech(120, seed, t0=3.0, pause_every=17 if seed % 2 else 0)
+        seg = Segment(text, words[0].start - 0.1, words[-1].end + 0.1)
+        tail_words, tail = _speech(4, seed + 100, t0=seg.end + 1.0)
+        result = Result(text + " " + tail, words + tail_words, [seg, Segment(tail, tail_words[0].start, tail_words[-1].end)])
+        got = cues(result)
+        assert " ".join(" ".join(c.lines) for c in got) == result.text
+        assert got[0].start == seg.start and got[-1].end == tail_words[-1].end
+        for a, b in zip(got, got[1:]):
+            assert a.start <= a.end <= b.start
+        inner = got[:-1]  # the short tail segment is its own cue
+        assert len(inner) == _fewest_cues(words), seed
+        for c in inner:
+            assert 1 <= len(c.lines) <= 2 and all(len(line) <= MAX_LINE_CHARS for line in c.lines), c
+            assert sum(map(len, c.lines)) + len(c.lines) - 1 <= MAX_CUE_CHARS
+            assert c.end - c.start <= MAX_CUE_SECONDS + 0.1 + 1e-9  # + the segment's own margin
+        # Each cue's times are its first and last words' (the segment's at its two ends).
+        spelled = iter(words)
+        for k, c in enumerate(inner):
+            first = next(spelled)
+            for _ in range(len(" ".join(c.lines).split()) - 1):
+                last = next(spelled)
+            last = last if len(" ".join(c.lines).split()) > 1 else first
+            assert c.start == (seg.start if k == 0 else first.start)
+            assert c.end == (seg.end if k == len(inner) - 1 else last.end)
+
+
+def test_a_cut_after_punctuation_wins_when_it_costs_no_extra_cue():
+    words = [Word(w, 0.4 * i, 0.4 * i + 0.3) for i, w in enumerate(
+        "the committee met on tuesday, and after a long debate it voted to approve the plan for the new bridge".split())]
+    text = " ".join(w.word for w in words)
+    (first, second) = cues(Result(text, words, [Segment(text, 0.0, words[-1].end)]))
+    assert " ".join(first.lines) == "the committee met on tuesday,"
+    assert second.start == words[5].start
+
+
+def test_words_split_inside_a_text_token_time_it_together():
+    """Whisper's words split "self-substantial" into "self" and "-substantial"; the text keeps
+    the token whole, timed from the first part's start to the last part's end."""
+    words = [Word("a", 0.0, 0.4), Word("self", 6.5, 6.8), Word("-substantial", 6.8, 7.6), Word("b.", 8.0, 8.4)]
+    text = "a self-substantial b."
+    (tokens,) = _timed_tokens([Segment(text, 0.0, 8.4)], words)
+    assert [(t.text, t.start, t.end) for t in tokens] == [
+        ("a", 0.0, 0.4), ("self-substantial", 6.5, 7.6), ("b.", 8.0, 8.4)]
+    assert _timed_tokens([Segment(text, 0.0, 8.4)], words[:-1]) is None  # a word short
+
+
+def test_words_that_do_not_spell_the_text_leave_one_cue_per_segment():
+    words, text = _speech(60, 7)
+    wrong = words[:-1] + [Word("other", words[-1].start, words[-1].end)]
+    segs = [Segment(text, 0.0, words[-1].end)]
+    (cue,) = cues(Result(text, wrong, segs))
+    assert (cue.start, cue.end) == (0.0, words[-1].end) and " ".join(cue.lines) == text
+    (cue,) = cues(Result(text, [], segs))  # no word times at all (Whisper without alignment)
+    assert len(cue.lines) == 2
+
+
+def test_overlapping_word_times_never_overlap_cues():
+    words, text = _speech(80, 3)
+    early = [Word(w.word, max(0.0, w.start - 0.3), w.end) for w in words]  # each starts before the last ends
+    got = cues(Result(text, early, [Segment(text, 0.0, early[-1].end)]))
+    assert len(got) > 2
+    for a, b in zip(got, got[1:]):
+        assert a.start <= a.end <= b.start
+
+
+def test_one_word_longer_than_a_cue_is_a_cue_of_its_own():
+    long = "x" * 100
+    words = [Word("a", 0.0, 0.2), Word(long, 0.3, 9.0), Word("b", 9.1, 9.3)]
+    text = f"a {long} b"
+    got = cues(Result(text, words, [Segment(text, 0.0, 9.3)]))
+    assert [c.lines for c in got] == [("a",), (long,), ("b",)]
+
+
+def test_srt_writes_the_cues_and_subtitles_ask_for_word_times():
+    words, text = _speech(40, 11)
+    srt = write_srt(Result(text, words, [Segment(text, 0.0, words[-1].end)]))
+    blocks = srt.strip().split("\n\n")
+    assert len(blocks) == len(cues(Result(text, words, [Segment(text, 0.0, words[-1].end)]))) >= math.ceil(len(text) / MAX_CUE_CHARS)
+    assert all(len(line) <= MAX_LINE_CHARS for b in blocks for line in b.splitlines()[2:])
+    assert needs_words(["srt"]) and needs_words(["vtt"]) and needs_words(["json"]) and not needs_words(["txt"])

@@ -1,0 +1,144 @@
+"""Subtitle cues: a result's segments cut to what a viewer can read, on word times.
+
+A segment is a sentence (Parakeet: up to `.?!`) or a Whisper timestamp span, and either can
+run to 20 s and 250 characters: whisper-base gave 209 of 659 segments over two lines of 42
+characters on our speech set. Broadcast guidelines (Netflix, BBC) keep a cue to two lines of
+about 42 characters and at most 7 s, so a segment that is longer is cut at word boundaries
+into the fewest cues that fit, as even as can be, preferring cuts after punctuation; each
+cue's times are those of its first and last words. The text of the cues, joined, is the
+segment's text: words are never moved or respelled, only the whitespace between them.
+
+Word times come from `Result.words`, matched to the segment text character by character
+(whitespace aside: Whisper's words split "self-substantial" in two, the text does not). A
+result whose words do not spell its segments (none aligned) keeps one cue per segment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_LINE_CHARS = 42
+MAX_LINES = 2
+MAX_CUE_CHARS = MAX_LINE_CHARS * MAX_LINES
+MAX_CUE_SECONDS = 7.0
+# Among splits into the fewest cues: a cut after a punctuation mark is worth half the
+# difference between an empty cue and a full one.
+_PUNCTUATION_BONUS = 0.5
+_PUNCTUATION = tuple(",;:.?!")
+
+
+@dataclass(frozen=True)
+class Cue:
+    """One subtitle: seconds from the start of the file, and its lines (at most MAX_LINES,
+    unless one word is longer than a line)."""
+
+    start: float
+    end: float
+    lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Token:
+    text: str  # whitespace-free, as in the segment text
+    start: float
+    end: float
+
+
+def cues(result) -> list[Cue]:
+    """The result's subtitle cues, in order (segments without text give none)."""
+    segments = [s for s in result.segments if s.text.strip()]
+    timed = _timed_tokens(segments, result.words)
+    out: list[Cue] = []
+    for i, seg in enumerate(segments):
+        if timed is None:
+            out.append(Cue(seg.start, seg.end, wrap(seg.text.split())))
+            continue
+        groups = _cut(timed[i])
+        for k, group in enumerate(groups):
+            # A cue starts no earlier than the one before it ends (RNN-T word times can
+            # overlap), and the first and last keep the segment's own times.
+            start = seg.start if k == 0 else max(group[0].start, out[-1].end)
+            end = seg.end if k == len(groups) - 1 else group[-1].end
+            out.append(Cue(start, max(start, end), wrap([t.text for t in group])))
+    return out
+
+
+def _timed_tokens(segments, words) -> list[list[_Token]] | None:
+    """Each segment's whitespace tokens with the times of the words that spell them: a token
+    starts when the word holding its first character starts and ends when the word holding
+    its last character ends. None when the words do not spell the segments' text."""
+    owner: list[int] = []  # word index of each non-space character of the words, in order
+    chars: list[str] = []
+    for k, w in enumerate(words):
+        for ch in w.word:
+            if not ch.isspace():
+                chars.append(ch)
+                owner.append(k)
+    pos, out = 0, []
+    for seg in segments:
+        tokens = []
+        for text in seg.text.split():
+            if "".join(chars[pos:pos + len(text)]) != text:
+                return None
+            first, last = words[owner[pos]], words[owner[pos + len(text) - 1]]
+            tokens.append(_Token(text, first.start, last.end))
+            pos += len(text)
+        out.append(tokens)
+    return out if pos == len(chars) else None
+
+
+def _cut(tokens: list[_Token]) -> list[list[_Token]]:
+    """Split a segment's tokens into cues that fit: the fewest cues, then the least sum of
+    `_cost` (dynamic programming over cut points). A cue of tokens[j:i] fits when it holds at
+    most MAX_CUE_CHARS characters and MAX_CUE_SECONDS seconds and its words wrap into lines of
+    MAX_LINE_CHARS (84 characters of uneven words can need a 43-character line). A single
+    token that does not fit on its own is a cue by itself. Linear in the tokens: a cue spans
+    a few dozen of them at most, and prefix sums price each candidate in O(1)."""
+    n = len(tokens)
+    ends = [0]  # ends[i]: characters of tokens[:i], one space after each
+    for t in tokens:
+        ends.append(ends[-1] + len(t.text) + 1)
+
+    def width(j: int, i: int) -> int:  # tokens[j:i] on one line
+        return ends[i] - ends[j] - 1
+
+    best = [(0, 0.0)] + [(n + 1, 0.0)] * n  # (cues, cost) of the best split of tokens[:i]
+    back = [0] * (n + 1)
+    for i in range(1, n + 1):
+        # The smallest k whose second line tokens[k:i] fits: a cue tokens[j:i] wraps when
+        # its first line tokens[j:k] fits too (any later k only lengthens the first line).
+        k = i  # i: not even the last token fits a line
+        while k > 0 and width(k - 1, i) <= MAX_LINE_CHARS:
+            k -= 1
+        for j in range(i - 1, -1, -1):
+            chars = width(j, i)
+            fill = max(chars / MAX_CUE_CHARS, (tokens[i - 1].end - tokens[j].start) / MAX_CUE_SECONDS)
+            fits = fill <= 1.0 and (chars <= MAX_LINE_CHARS or (k > j and width(j, k) <= MAX_LINE_CHARS))
+            if not fits and j < i - 1:
+                break
+            cost = (best[j][0] + 1, best[j][1] + _cost(tokens[i - 1].text, fill, last=i == n))
+            if cost < best[i]:
+                best[i], back[i] = cost, j
+    groups, i = [], n
+    while i > 0:
+        groups.append(tokens[back[i]:i])
+        i = back[i]
+    return groups[::-1]
+
+
+def _cost(last_token: str, fill: float, last: bool) -> float:
+    """A cue's cost among splits into as many cues: its emptiness squared (even cues beat a
+    full one and a scrap), less a bonus when it ends on punctuation (not the segment's last)."""
+    bonus = _PUNCTUATION_BONUS if not last and last_token.endswith(_PUNCTUATION) else 0.0
+    return (1.0 - min(fill, 1.0)) ** 2 - bonus
+
+
+def wrap(tokens: list[str]) -> tuple[str, ...]:
+    """A cue's text as lines: one line if it fits MAX_LINE_CHARS, else two split at the space
+    that makes the longer line shortest (a cue holds at most MAX_CUE_CHARS, so both fit
+    unless a single word is longer than a line)."""
+    text = " ".join(tokens)
+    if len(text) <= MAX_LINE_CHARS or len(tokens) < 2:
+        return (text,)
+    k = min(range(1, len(tokens)),
+            key=lambda k: max(len(" ".join(tokens[:k])), len(" ".join(tokens[k:]))))
+    return (" ".join(tokens[:k]), " ".join(tokens[k:]))
