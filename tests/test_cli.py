@@ -105,6 +105,19 @@ def test_broken_manifest_lines_fail_alone_and_the_rest_is_transcribed(tmp_path):
 
 
 @needs_shared
+def test_same_named_files_under_two_roots_both_keep_their_transcripts(tmp_path):
+    ref = Reference("tdt_tiny")
+    for k, root in enumerate(("a", "b")):
+        (tmp_path / root).mkdir()
+        (tmp_path / root / "x.flac").write_bytes(ref.audio_path(k).read_bytes())
+    out = tmp_path / "out"
+    p = run_cli(str(tmp_path / "a"), str(tmp_path / "b"), "--model", str(ref.nemo), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    for k, root in enumerate(("a", "b")):
+        assert (out / root / "x.txt").read_text().strip() == ref.files[k]["transcribe_text"].strip()
+
+
+@needs_shared
 def test_file_names_that_are_not_utf8_are_transcribed_logged_and_resumed(tmp_path):
     """A name with a Latin-1 byte (os.fsdecode keeps it as a lone surrogate) once crashed the
     whole run in soundfile's strict UTF-8 encoding of the path. Now it transcribes like any

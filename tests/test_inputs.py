@@ -92,6 +92,33 @@ def test_links_back_up_the_tree_are_walked_once(tmp_path):
     assert sorted(str(f.rel) for f in got) == ["a/x.wav", "b/y.flac"]
 
 
+def test_inputs_that_share_a_relative_path_get_distinct_outputs(tmp_path):
+    """`transcribe a/ b/` with a/x.flac and b/x.flac, or a manifest of absolute paths
+    /d/spk1/001.wav and /d/spk2/001.wav, once wrote both to the same OUT/x.json: the second
+    overwrote the first."""
+    for folder in ("a", "b", "d/spk1", "d/spk2"):
+        _touch(tmp_path / folder / ("x.flac" if len(folder) == 1 else "001.wav"))
+    _touch(tmp_path / "b" / "x.wav")
+    m = tmp_path / "lists" / "m.jsonl"
+    m.parent.mkdir()
+    m.write_text("".join(json.dumps({"audio_filepath": str(tmp_path / f"d/spk{i}/001.wav")}) + "\n" for i in (1, 2)))
+    files = discover([str(tmp_path / "a"), str(tmp_path / "b"), str(m)])
+    stems = output_stems(files)
+    assert len(set(stems.values())) == len(files) == 5
+    assert stems[(tmp_path / "a" / "x.flac").resolve()] == Path("a/x")
+    assert stems[(tmp_path / "d/spk2/001.wav").resolve()] == Path("spk2/001")
+    assert stems[(tmp_path / "b" / "x.wav").resolve()] == Path("x")  # the only x.wav keeps its path
+    assert all(not s.is_absolute() for s in stems.values())
+    # Every shard names a file as the whole run does (b/x.flac and b/x.wav keep their audio
+    # extension even in a shard that holds one of them).
+    for i in (1, 2):
+        part = shard(files, (i, 2))
+        assert output_stems(part) == {f.path: stems[f.path] for f in part}
+    b = tmp_path / "b"
+    assert sorted(str(s) for i in (1, 2) for s in output_stems(shard(discover([str(b)]), (i, 2))).values()) == [
+        "x.flac", "x.wav"]
+
+
 def test_duplicates_are_listed_once(tmp_path):
     a = _touch(tmp_path / "a.wav")
     assert len(discover([str(a), str(tmp_path)])) == 1

@@ -10,7 +10,7 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 AUDIO_EXTENSIONS = frozenset(
@@ -30,6 +30,8 @@ class InputFile:
     path: absolute path. rel: path relative to the input root (drives the output path).
     reference: the manifest's `text`, if any. duration: the manifest's `duration` (s), if any.
     problem: why this input fails without being opened (a manifest line that cannot be read).
+    stem: its output path relative to --out without the format extension, once `discover`
+    has named all the inputs (`output_stems`).
     """
 
     path: Path
@@ -37,6 +39,7 @@ class InputFile:
     reference: str | None = None
     duration: float | None = None
     problem: str | None = None
+    stem: Path | None = None
 
 
 def discover(inputs: list[str]) -> list[InputFile]:
@@ -54,8 +57,33 @@ def discover(inputs: list[str]) -> list[InputFile]:
         else:
             raise InputError(f"{arg}: no such file or directory")
     seen: set[Path] = set()
-    unique = [f for f in found if not (f.path in seen or seen.add(f.path))]
-    return unique
+    unique = _distinct_rels([f for f in found if not (f.path in seen or seen.add(f.path))])
+    # Output names pinned over all the inputs, before any --shard takes its part of them.
+    stems = output_stems(unique)
+    return [replace(f, stem=stems[f.path]) for f in unique]
+
+
+def _distinct_rels(files: list[InputFile]) -> list[InputFile]:
+    """Give inputs that share a relative path (`a/x.flac` and `b/x.flac` passed as roots `a/`
+    and `b/`, or a manifest's absolute paths `/d/spk1/001.wav`, `/d/spk2/001.wav`) as many of
+    their own folders as tell them apart (`a/x.flac`, `b/x.flac`; `spk1/001.wav`, ...), so
+    no output overwrites another. Done over all inputs before sharding, so every shard
+    writes a file to the same place."""
+    while True:
+        groups: dict[Path, list[int]] = {}
+        for i, f in enumerate(files):
+            groups.setdefault(f.rel, []).append(i)
+        clashes = [g for g in groups.values() if len(g) > 1]
+        if not clashes:
+            return files
+        files = list(files)
+        for group in clashes:
+            parts = [files[i].path.parts[1:] for i in group]  # without the root: rel stays relative
+            depth = len(files[group[0]].rel.parts) + 1
+            while depth < max(map(len, parts)) and len({p[-depth:] for p in parts}) < len(group):
+                depth += 1
+            for i, p in zip(group, parts):
+                files[i] = replace(files[i], rel=Path(*p[-depth:]))
 
 
 def _walk(root: Path) -> list[InputFile]:
@@ -132,10 +160,11 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
     """Map each file to its output path without format extension, relative to `--out`.
 
     `talks/a.flac` -> `talks/a`; when two inputs in one folder share a stem, both keep their
-    audio extension (`talks/a.flac`, `talks/a.wav`) so neither overwrites the other.
+    audio extension (`talks/a.flac`, `talks/a.wav`) so neither overwrites the other. A file
+    that `discover` has named keeps that name (a shard's files are named as the whole run's).
     """
     stems = Counter(f.rel.with_suffix("") for f in files)
-    return {f.path: (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
+    return {f.path: f.stem or (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
