@@ -2,9 +2,11 @@
 
 One engine holds one optimization profile per length bucket (`BucketProfile`), in the order
 of the backend's profiles. A call picks the narrowest profile whose width range holds the
-batch, makes it active on torch's current CUDA stream (only when it changes), sets the input
-shapes, binds torch tensors by address and enqueues the engine on that stream: no host sync,
-and the result is ordered with the torch work before and after it. Batches wider than the
+batch, makes it active (only when it changes), sets the input shapes, binds torch tensors by
+address and enqueues the engine on a stream of its own that waits for torch's current stream,
+which then waits for it: no host sync, and the result is ordered with the torch work before and
+after it. (Not torch's default stream itself: enqueueV3 on the legacy default stream makes
+TensorRT add cudaStreamSynchronize calls, and says so in a warning.) Batches wider than the
 widest profile run in the eager torch encoder (logged once); batches with more rows than the
 profile's max_batch run as chunks of max_batch rows.
 
@@ -68,6 +70,11 @@ class TensorRTEncoder:
                 raise ValueError(f"{self.engine_path} has {self._engine.num_optimization_profiles} profiles, "
                                  f"expected {len(self.profiles)}")
             self._context = self._engine.create_execution_context()
+            self._stream = torch.cuda.Stream(self.device)
+        names = {self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)}
+        if names != set(INPUTS + OUTPUTS):
+            raise ValueError(f"{self.engine_path} has tensors {sorted(names)}, expected {sorted(INPUTS + OUTPUTS)}: "
+                             "delete it to rebuild")
         self._dtypes = {n: _torch_dtype(trt, self._engine.get_tensor_dtype(n)) for n in INPUTS + OUTPUTS}
         self._active: int | None = None  # the context's optimization profile
         self._fallback = FallbackLog(self.name)
@@ -100,7 +107,18 @@ class TensorRTEncoder:
         return in_chunks(lambda f, n: self._run(self.profiles.index(p), f, n), features, lengths, p.max_batch)
 
     def _run(self, profile: int, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        ctx, stream = self._context, torch.cuda.current_stream(self.device).cuda_stream
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(self.device):
+            self._stream.wait_stream(current)  # the features are written on the current stream
+            outputs = self._enqueue(profile, features, lengths, self._stream.cuda_stream)
+            # Later work on the current stream (reading the outputs, reusing the freed inputs'
+            # memory, which torch's allocator hands out in that stream's order) waits for the engine.
+            current.wait_stream(self._stream)
+        encoded, encoded_lengths = outputs["encoded"], outputs["encoded_lengths"]
+        return encoded.float(), encoded_lengths.to(torch.int64)
+
+    def _enqueue(self, profile: int, features: Tensor, lengths: Tensor, stream: int) -> dict[str, Tensor]:
+        ctx = self._context
         if profile != self._active:
             if not ctx.set_optimization_profile_async(profile, stream):
                 raise RuntimeError(f"TensorRT refused optimization profile {profile}")
@@ -114,9 +132,8 @@ class TensorRTEncoder:
         outputs = {n: torch.empty(tuple(ctx.get_tensor_shape(n)), dtype=self._dtypes[n], device=self.device)
                    for n in OUTPUTS}
         for name, t in {**inputs, **outputs}.items():
-            ctx.set_tensor_address(name, t.data_ptr())
+            if not ctx.set_tensor_address(name, t.data_ptr()):
+                raise RuntimeError(f"TensorRT refused the address of {name}")
         if not ctx.execute_async_v3(stream):
             raise RuntimeError("TensorRT failed to enqueue the encoder engine")
-        # The inputs may be freed on return: torch's allocator reuses them only in stream order.
-        encoded, encoded_lengths = outputs["encoded"], outputs["encoded_lengths"]
-        return encoded.float(), encoded_lengths.to(torch.int64)
+        return outputs

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from engines.encoder_backend import BucketProfile
 from transcribe.writers import atomic_write_bytes  # the one atomic write (temp, fsync, rename)
 
@@ -167,6 +169,11 @@ def build_engine(onnx_path: str | os.PathLike, spec: EngineSpec, workspace_bytes
         profile.set_shape("lengths", (1,), (p.max_batch,), (p.max_batch,))
         config.add_optimization_profile(profile)
     if spec.precision != "fp32":
+        if not hasattr(trt.BuilderFlag, "FP16"):  # TensorRT 11 dropped weak typing
+            raise TensorRTUnavailable(f"TensorRT {trt.__version__} builds no {spec.precision} engine from an fp32 "
+                                      f"network (weakly typed builds ended in TensorRT 11): pip install "
+                                      f"'tensorrt>=10,<11', or build in fp32 (export-engine --precision fp32, "
+                                      f"transcribe --dtype float32)")
         config.set_flag(trt.BuilderFlag.FP16 if spec.precision == "fp16" else trt.BuilderFlag.BF16)
         config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
         _keep_fp32(trt, network)
@@ -179,8 +186,6 @@ def build_engine(onnx_path: str | os.PathLike, spec: EngineSpec, workspace_bytes
 def engine_spec(nemo_path: str | os.PathLike, profiles: Sequence[BucketProfile], n_mels: int, precision: str,
                 cache_dir: str | os.PathLike, device=None) -> EngineSpec:
     """The spec of the engine for this model on this GPU with the installed TensorRT."""
-    import torch
-
     trt = import_tensorrt()
     major, minor = torch.cuda.get_device_capability(device)
     return EngineSpec(model_digest(nemo_path, cache_dir), torch.cuda.get_device_name(device), (major, minor),
@@ -197,7 +202,8 @@ def ensure_engine(nemo_path: str | os.PathLike, profiles: Sequence[BucketProfile
     if path.is_file():
         return path, False
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".onnx-", dir=cache_dir) as tmp:
+    # The builder times its tactics on the current device: make it the one the key names.
+    with tempfile.TemporaryDirectory(prefix=".onnx-", dir=cache_dir) as tmp, torch.cuda.device(device):
         plan = build_engine(export_onnx(nemo_path, Path(tmp) / "encoder.onnx"), spec)
     atomic_write_bytes(path, plan)
     meta = {**asdict(spec), "key": spec.key(), "format": ENGINE_FORMAT, "model": str(nemo_path)}

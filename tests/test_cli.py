@@ -243,3 +243,22 @@ def test_shards_with_workers_merge_into_one_log(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()]
     assert sorted(r["audio_filepath"] for r in rows) == sorted(files)
     assert {r["text"] for r in rows} == {ref.files[i]["transcribe_text"] for i in range(4)}
+
+
+def test_a_missing_optional_package_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """`--encoder-backend tensorrt` on a GPU machine without `tensorrt` raised the loader's
+    ImportError as a traceback; it is "cannot load model: ..." with the extra to install, exit 1."""
+    from engines import loader
+    from engines.encoder_tensorrt_build import TensorRTUnavailable
+    from transcribe.cli import main
+
+    def load_engine(*args, **kwargs):
+        raise TensorRTUnavailable("the TensorRT encoder needs the `tensorrt` package: pip install 'transcribe[tensorrt]'")
+
+    monkeypatch.setattr(loader, "load_engine", load_engine)
+    sf.write(tmp_path / "a.wav", np.zeros(16000, dtype=np.float32), 16000)
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "a.wav"), "--out", str(tmp_path / "out"), "--workers", "1"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "cannot load model: the TensorRT encoder needs the `tensorrt` package" in err and "Traceback" not in err

@@ -105,7 +105,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     try:
         engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
                              word_timestamps=words, language=language, task=task)
-    except (CheckpointError, ValueError, OSError) as e:
+    except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do
