@@ -103,29 +103,51 @@ def unsupported_reason(api: CudaPython) -> str | None:
     driver = (version // 1000, version % 1000 // 10)
     if driver < MIN_VERSION:
         return f"CUDA driver {driver[0]}.{driver[1]} < {need} has no conditional nodes"
+    if api.version[0] > driver[0]:  # CUDA 13 bindings on a 12.x driver: every runtime call fails
+        return (f"cuda-python {api.version[0]}.{api.version[1]} needs a CUDA {api.version[0]} driver, found "
+                f"{driver[0]}.{driver[1]}: pip install 'cuda-python>={need},<{driver[0] + 1}'")
     runtime = torch.version.cuda
     if runtime is None or _major_minor(runtime) < MIN_VERSION:
         return f"torch's CUDA runtime {runtime} < {need} cannot instantiate conditional nodes"
     return None
 
 
-def _compile_kernel(api: CudaPython) -> tuple[Any, Any]:
-    """NVRTC -> PTX -> loaded module; returns (module, function). PTX for NVRTC's default
-    architecture is JIT-compiled by the driver for the GPU at hand."""
-    nvrtc, driver = api.nvrtc, api.driver
+def _nvrtc(api: CudaPython, options: list[bytes], cubin: bool) -> bytes:
+    """The kernel compiled by NVRTC with `options`: a cubin, or PTX (NUL-terminated)."""
+    nvrtc = api.nvrtc
     (prog,) = check(nvrtc.nvrtcCreateProgram(_KERNEL_SOURCE.encode(), b"while_condition.cu", 0, [], []))
-    (status,) = nvrtc.nvrtcCompileProgram(prog, 0, [])
-    if int(status) != 0:
-        (size,) = check(nvrtc.nvrtcGetProgramLogSize(prog))
-        log = b" " * size
-        check(nvrtc.nvrtcGetProgramLog(prog, log))
-        raise CudaPythonError(f"NVRTC could not compile the while-condition kernel: {log.decode(errors='replace')}")
-    (size,) = check(nvrtc.nvrtcGetPTXSize(prog))
-    ptx = b" " * size
-    check(nvrtc.nvrtcGetPTX(prog, ptx))
-    image = np.char.array(ptx)  # keeps the bytes at a stable address for the driver call
-    (module,) = check(driver.cuModuleLoadData(image.ctypes.data))
-    (function,) = check(driver.cuModuleGetFunction(module, _KERNEL_NAME))
+    try:
+        (status,) = nvrtc.nvrtcCompileProgram(prog, len(options), options)
+        if int(status) != 0:
+            (size,) = check(nvrtc.nvrtcGetProgramLogSize(prog))
+            log = b" " * size
+            check(nvrtc.nvrtcGetProgramLog(prog, log))
+            raise CudaPythonError(f"NVRTC could not compile the while-condition kernel: {log.decode(errors='replace')}")
+        get_size, get = (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN) if cubin else (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        (size,) = check(get_size(prog))
+        image = b" " * size
+        check(get(prog, image))
+        return image
+    finally:
+        check(nvrtc.nvrtcDestroyProgram(prog))
+
+
+def _compile_kernel(api: CudaPython, device: torch.device) -> tuple[Any, Any]:
+    """NVRTC -> loaded module; returns (module, function). Machine code for the GPU at hand
+    first: PTX from torch's newer NVRTC would not load on an older driver (minor-version
+    compatibility covers machine code, not PTX JIT). An NVRTC that does not know the GPU
+    (newer than it) gives PTX for its default architecture, which the driver compiles."""
+    major, minor = torch.cuda.get_device_capability(device)
+    try:
+        return _load(api, _nvrtc(api, [f"--gpu-architecture=sm_{major}{minor}".encode()], cubin=True))
+    except CudaPythonError:
+        return _load(api, _nvrtc(api, [], cubin=False))
+
+
+def _load(api: CudaPython, image: bytes) -> tuple[Any, Any]:
+    buffer = np.frombuffer(image, dtype=np.uint8)  # a stable address for the driver call
+    (module,) = check(api.driver.cuModuleLoadData(buffer.ctypes.data))
+    (function,) = check(api.driver.cuModuleGetFunction(module, _KERNEL_NAME))
     return module, function
 
 
@@ -134,7 +156,7 @@ class WhileLoops:
 
     def __init__(self, api: CudaPython, device: torch.device):
         self.api, self.device = api, device
-        self._module, self._kernel = _compile_kernel(api)
+        self._module, self._kernel = _compile_kernel(api, device)
         # Kernel argument arrays: cuLaunchKernel reads them through raw pointers, so they are
         # kept alive for as long as this object (captures copy them at launch).
         self._args: list[np.ndarray] = []

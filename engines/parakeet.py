@@ -42,13 +42,25 @@ CTC_ONLY_TARGETS = ("EncDecCTCModelBPE", "EncDecCTCModel")
 
 
 def pick_device(device: str) -> str:
-    """`auto` -> cuda when available, else cpu; anything else is checked and returned."""
+    """`auto` -> cuda when available, else cpu; anything else is checked and returned.
+
+    `cuda:N` also becomes the process's current CUDA device: graph captures, the conditional
+    nodes' cuda-python context and NVRTC module, and TensorRT's builder all work on the
+    current device, and a process here drives one GPU."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine")
     if not (device == "cpu" or device.startswith("cuda")):
         raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if device.startswith("cuda:"):
+        try:
+            index = torch.device(device).index
+        except RuntimeError:
+            raise ValueError(f"--device {device!r}: expected auto, cpu, cuda or cuda:N") from None
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(index)
     return device
 
 

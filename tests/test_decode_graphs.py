@@ -146,6 +146,26 @@ def test_old_cuda_python_is_a_reason():
     assert cuda_conditional._major_minor("13.0.1rc1") == (13, 0)
 
 
+def test_bindings_newer_than_the_driver_are_a_reason(monkeypatch):
+    """CUDA 13 bindings (what `pip install cuda-python` gives now) on a 12.x driver fail every
+    runtime call with cudaErrorInsufficientDriver: say so up front, not at the first capture."""
+    class Driver:
+        def __init__(self, version):
+            self.version = version
+
+        def cuDriverGetVersion(self):
+            return 0, self.version
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    api = cuda_conditional.CudaPython(None, Driver(12080), None, (13, 0))
+    assert "needs a CUDA 13 driver, found 12.8" in cuda_conditional.unsupported_reason(api)
+    assert "<13" in cuda_conditional.unsupported_reason(api)
+    assert cuda_conditional.unsupported_reason(cuda_conditional.CudaPython(None, Driver(13000), None, (13, 0))) is None
+    assert cuda_conditional.unsupported_reason(cuda_conditional.CudaPython(None, Driver(12080), None, (12, 9))) is None
+    assert "driver 12.2 < 12.4" in cuda_conditional.unsupported_reason(
+        cuda_conditional.CudaPython(None, Driver(12020), None, (12, 9)))
+
+
 @needs_shared
 def test_transducer_decoder_modes_on_cpu(caplog):
     dec = TransducerDecoder(decoder_for("rnnt_tiny").config, decoder_for("rnnt_tiny").prediction,
