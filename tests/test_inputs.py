@@ -36,8 +36,11 @@ def test_same_stem_in_one_folder_keeps_audio_extension(tmp_path):
 def test_manifest_paths_are_relative_to_the_manifest(tmp_path):
     _touch(tmp_path / "d" / "x.flac")
     m = tmp_path / "m.jsonl"
-    m.write_text(json.dumps({"audio_filepath": "d/x.flac", "text": "HELLO", "duration": 1.5}) + "\n\n")
+    # With the byte-order mark Windows editors put first, and CRLF line ends.
+    m.write_bytes(b"\xef\xbb\xbf" + json.dumps({"audio_filepath": "d/x.flac", "text": "HELLO", "duration": 1.5}).encode()
+                  + b"\r\n\r\n")
     (f,) = discover([str(m)])
+    assert f.problem is None
     assert f.path == (tmp_path / "d" / "x.flac").resolve() and f.rel == Path("d/x.flac")
     assert f.reference == "HELLO" and f.duration == 1.5
 

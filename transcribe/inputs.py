@@ -132,7 +132,7 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int, base: Path) -> Inpu
         return InputFile(at, Path(at.name), problem=f"{manifest}:{lineno}: {reason}")
 
     try:
-        row = json.loads(raw.decode("utf-8"))
+        row = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))  # a BOM from Windows editors
     except UnicodeDecodeError:
         return broken("not UTF-8 text")
     except json.JSONDecodeError as e:
