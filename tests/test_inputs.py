@@ -63,6 +63,8 @@ def test_a_manifest_line_that_cannot_be_read_fails_alone_with_its_line_and_reaso
     m.write_bytes(("\n".join(lines) + "\n").encode() + b'{"audio_filepath": "caf\xe9.flac"}\n')
     got = read_manifest(m)
     assert len(got) == 9
+    _touch(tmp_path / "m.flac")  # its stem is the failing lines' too: it still writes m.json
+    assert output_stems(discover([str(m), str(tmp_path / "m.flac")]))[(tmp_path / "m.flac").resolve()] == Path("m")
     assert got[0].problem is None and got[0].reference == "FINE"
     where = str(m.resolve())
     reasons = {

@@ -72,7 +72,8 @@ def _distinct_rels(files: list[InputFile]) -> list[InputFile]:
     while True:
         groups: dict[Path, list[int]] = {}
         for i, f in enumerate(files):
-            groups.setdefault(f.rel, []).append(i)
+            if f.problem is None:  # a manifest line that fails writes nothing
+                groups.setdefault(f.rel, []).append(i)
         clashes = [g for g in groups.values() if len(g) > 1]
         if not clashes:
             return files
@@ -163,7 +164,7 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
     audio extension (`talks/a.flac`, `talks/a.wav`) so neither overwrites the other. A file
     that `discover` has named keeps that name (a shard's files are named as the whole run's).
     """
-    stems = Counter(f.rel.with_suffix("") for f in files)
+    stems = Counter(f.rel.with_suffix("") for f in files if f.problem is None)
     return {f.path: f.stem or (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
 
 
