@@ -76,6 +76,18 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
     assert (out / "a.txt").stat().st_mtime_ns == mtime
     assert "2 already done" in p2.stderr
 
+    # A file is done when the outputs asked for exist: a rerun that asks for subtitles too
+    # writes them, and a deleted transcript is made again, the rest left alone.
+    p3 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "txt,srt")
+    assert "0 already done" in p3.stderr and (out / "a.srt").is_file() and (out / "b.srt").is_file()
+    (out / "b.srt").unlink()
+    mtime = (out / "a.srt").stat().st_mtime_ns
+    p4 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "txt,srt")
+    assert "1 already done" in p4.stderr and (out / "b.srt").is_file()
+    assert (out / "a.srt").stat().st_mtime_ns == mtime
+    rows4 = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(Path(r["audio_filepath"]).name for r in rows4) == sorted(status)
+
 
 @needs_shared
 def test_broken_manifest_lines_fail_alone_and_the_rest_is_transcribed(tmp_path):

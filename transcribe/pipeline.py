@@ -39,7 +39,7 @@ from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_le
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
-from transcribe.writers import ResultsLog, write_outputs
+from transcribe.writers import ResultsLog, output_paths, write_outputs
 
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
@@ -139,7 +139,10 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
     stats = RunStats()
     with out_dir_lock(out_dir):  # OutputBusy if another run writes there
         sweep_leftovers(out_dir)
-        todo, stats.files_skipped = plan_resume(files, out_dir / "results.jsonl", force)
+        stems = output_stems(files)
+        todo, stats.files_skipped = plan_resume(
+            files, out_dir / "results.jsonl", force,
+            written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.path], formats).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
@@ -147,7 +150,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         try:
             with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
                 if todo:
-                    job = _Job(engine, todo, output_stems(files), out_dir, formats, log, stats, bar)
+                    job = _Job(engine, todo, stems, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
             bar.close()

@@ -13,7 +13,7 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from transcribe.inputs import InputFile
 from transcribe.shm import sweep_stale
@@ -62,19 +62,23 @@ def file_identity(path: Path) -> dict:
     return {"size": st.st_size, "mtime": st.st_mtime_ns}
 
 
-def plan_resume(files: list[InputFile], log_path: Path, force: bool) -> tuple[list[InputFile], int]:
-    """Drop files already done (same path, size, mtime, status ok) and rewrite the log without
-    the lines of files about to be redone, so every file ends with exactly one line."""
+def plan_resume(files: list[InputFile], log_path: Path, force: bool,
+                written: Callable[[InputFile], bool] = lambda f: True) -> tuple[list[InputFile], int]:
+    """Drop files already done (same path, size, mtime, status ok, and `written`: the outputs
+    this run asks for exist, so a rerun with `--format srt` after a txt-only run writes the
+    subtitles, and a deleted transcript is made again) and rewrite the log without the lines
+    of files about to be redone, so every file ends with exactly one line."""
     records = read_results(log_path)
-    todo_paths = {str(f.path) for f in files}
+    by_path = {str(f.path): f for f in files}
     done = set()
     if not force:
         for r in records:
             p = Path(r["audio_filepath"])
-            if r.get("status") == "ok" and str(p) in todo_paths and file_identity(p) == {
+            if r.get("status") == "ok" and str(p) in by_path and file_identity(p) == {
                 "size": r.get("size"), "mtime": r.get("mtime")
-            }:
+            } and written(by_path[str(p)]):
                 done.add(str(p))
+    todo_paths = by_path.keys()
     keep = [r for r in records if r["audio_filepath"] not in todo_paths or r["audio_filepath"] in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))

@@ -114,10 +114,15 @@ def atomic_write_bytes(path: Path, data) -> None:
         raise
 
 
+def output_paths(out_stem: Path, formats: list[str]) -> dict[str, Path]:
+    """Format -> the file it is written to: `out_stem` + `.txt`, `.json`, ..."""
+    return {fmt: out_stem.with_name(out_stem.name + "." + fmt) for fmt in formats}
+
+
 def write_outputs(result, out_stem: Path, formats: list[str]) -> None:
-    """Write one file's transcript in each format: `out_stem` + `.txt`, `.json`, ..."""
-    for fmt in formats:
-        atomic_write_text(out_stem.with_name(out_stem.name + "." + fmt), WRITERS[fmt](result))
+    """Write one file's transcript in each format (`output_paths`)."""
+    for fmt, path in output_paths(out_stem, formats).items():
+        atomic_write_text(path, WRITERS[fmt](result))
 
 
 def results_line(record: dict) -> str:
