@@ -88,6 +88,14 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
     rows4 = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(Path(r["audio_filepath"]).name for r in rows4) == sorted(status)
 
+    # Another model transcribes again: the old model's text is not kept as this one's.
+    other = Reference("rnnt_tiny")
+    p5 = run_cli(str(inp), "--model", str(other.nemo), "--out", str(out), "--format", "txt,srt")
+    assert "0 already done" in p5.stderr
+    rows5 = {Path(r["audio_filepath"]).name: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert rows5["a.flac"]["model"] == str(other.nemo) and len(rows5) == len(status)
+    assert (out / "a.txt").read_text().strip() == other.files[0]["transcribe_text"].strip()
+
 
 @needs_shared
 def test_broken_manifest_lines_fail_alone_and_the_rest_is_transcribed(tmp_path):

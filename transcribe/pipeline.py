@@ -141,7 +141,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         sweep_leftovers(out_dir)
         stems = output_stems(files)
         todo, stats.files_skipped = plan_resume(
-            files, out_dir / "results.jsonl", force,
+            files, out_dir / "results.jsonl", force, model=engine.name,
             written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.path], formats).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))

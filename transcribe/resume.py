@@ -62,12 +62,13 @@ def file_identity(path: Path) -> dict:
     return {"size": st.st_size, "mtime": st.st_mtime_ns}
 
 
-def plan_resume(files: list[InputFile], log_path: Path, force: bool,
+def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str | None = None,
                 written: Callable[[InputFile], bool] = lambda f: True) -> tuple[list[InputFile], int]:
-    """Drop files already done (same path, size, mtime, status ok, and `written`: the outputs
-    this run asks for exist, so a rerun with `--format srt` after a txt-only run writes the
-    subtitles, and a deleted transcript is made again) and rewrite the log without the lines
-    of files about to be redone, so every file ends with exactly one line."""
+    """Drop files already done (same path, size, mtime, status ok, by `model` when given, so
+    a rerun with another model transcribes again rather than keep the old model's text, and
+    `written`: the outputs this run asks for exist, so a rerun with `--format srt` after a
+    txt-only run writes the subtitles, and a deleted transcript is made again) and rewrite the
+    log without the lines of files about to be redone, so every file ends with one line."""
     records = read_results(log_path)
     by_path = {str(f.path): f for f in files}
     done = set()
@@ -76,7 +77,7 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool,
             p = Path(r["audio_filepath"])
             if r.get("status") == "ok" and str(p) in by_path and file_identity(p) == {
                 "size": r.get("size"), "mtime": r.get("mtime")
-            } and written(by_path[str(p)]):
+            } and (model is None or r.get("model") == model) and written(by_path[str(p)]):
                 done.add(str(p))
     todo_paths = by_path.keys()
     keep = [r for r in records if r["audio_filepath"] not in todo_paths or r["audio_filepath"] in done]
