@@ -168,6 +168,10 @@ def test_file_names_that_are_not_utf8_are_transcribed_logged_and_resumed(tmp_pat
 def test_usage_and_nothing_to_do_exit_codes(tmp_path):
     assert run_cli(str(tmp_path), "--format", "docx").returncode == 2
     assert run_cli(str(tmp_path)).returncode == 1  # an empty folder: no inputs
+    sf.write(tmp_path / "a.wav", np.zeros(16000, dtype=np.float32), 16000)
+    (tmp_path / "out" / "results.jsonl").mkdir(parents=True)  # was a traceback
+    p = run_cli(str(tmp_path / "a.wav"), "--out", str(tmp_path / "out"))
+    assert p.returncode == 1 and "results.jsonl is not a file" in p.stderr and "Traceback" not in p.stderr
     assert run_cli(str(tmp_path / "missing.wav"), "--model", str(tmp_path / "none.nemo")).returncode == 1
     assert run_cli("bench").returncode == 2  # missing INPUT argument
     assert run_cli(str(tmp_path), "--shard", "3/2").returncode == 2  # checked before the inputs

@@ -51,6 +51,9 @@ def _writable_folder(folder: Path, option: str) -> None:
             pass
     except OSError as e:
         raise _fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
+    log = folder / "results.jsonl"  # every --out holds one, appended to as files finish
+    if option == "--out" and log.exists() and not log.is_file():
+        raise _fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
 
 
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
