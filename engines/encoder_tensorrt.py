@@ -109,26 +109,29 @@ class TensorRTEncoder:
     def _run(self, profile: int, features: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
-            self._stream.wait_stream(current)  # the features are written on the current stream
-            outputs = self._enqueue(profile, features, lengths, self._stream.cuda_stream)
+            # Converted on the current stream, before the engine's stream waits for it.
+            inputs = {"features": features.to(self._dtypes["features"]).contiguous(),
+                      "lengths": lengths.to(self._dtypes["lengths"]).contiguous()}
+            self._stream.wait_stream(current)
+            outputs = self._enqueue(profile, inputs, self._stream.cuda_stream)
             # Later work on the current stream (reading the outputs, reusing the freed inputs'
             # memory, which torch's allocator hands out in that stream's order) waits for the engine.
             current.wait_stream(self._stream)
         encoded, encoded_lengths = outputs["encoded"], outputs["encoded_lengths"]
         return encoded.float(), encoded_lengths.to(torch.int64)
 
-    def _enqueue(self, profile: int, features: Tensor, lengths: Tensor, stream: int) -> dict[str, Tensor]:
+    def _enqueue(self, profile: int, inputs: dict[str, Tensor], stream: int) -> dict[str, Tensor]:
+        """Bind `inputs` and fresh outputs and enqueue the engine on `stream` (no host sync)."""
         ctx = self._context
         if profile != self._active:
             if not ctx.set_optimization_profile_async(profile, stream):
                 raise RuntimeError(f"TensorRT refused optimization profile {profile}")
             self._active = profile
-        inputs = {"features": features.to(self._dtypes["features"]).contiguous(),
-                  "lengths": lengths.to(self._dtypes["lengths"]).contiguous()}
         for name, t in inputs.items():
             if not ctx.set_input_shape(name, tuple(t.shape)):
                 raise RuntimeError(f"TensorRT rejected {name} shape {list(t.shape)} for profile {profile}")
-        # Output shapes follow from the input shapes on the host: no device sync.
+        # Output shapes follow from the input shapes on the host. Allocated for the current
+        # stream and written on the engine's: nothing else touches them before it has waited.
         outputs = {n: torch.empty(tuple(ctx.get_tensor_shape(n)), dtype=self._dtypes[n], device=self.device)
                    for n in OUTPUTS}
         for name, t in {**inputs, **outputs}.items():
