@@ -47,8 +47,15 @@ def write_srt(result) -> str:
     return "\n".join(blocks)
 
 
+def _vtt_text(line: str) -> str:
+    """WebVTT cue text: `&` and `<` start escapes and tags there ("AT&T", "x < y"), and `>`
+    is escaped too, so no line holds the `-->` that would end the cue's payload."""
+    return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def write_vtt(result) -> str:
-    blocks = [f"{_clock(c.start, '.')} --> {_clock(c.end, '.')}\n" + "\n".join(c.lines) + "\n" for c in cues(result)]
+    blocks = [f"{_clock(c.start, '.')} --> {_clock(c.end, '.')}\n" + "\n".join(map(_vtt_text, c.lines)) + "\n"
+              for c in cues(result)]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
