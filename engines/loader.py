@@ -53,7 +53,7 @@ def choose_model(model: str | None) -> str:
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
                 features_on: str = "auto", dtype: str = "auto", backend_options=None, word_timestamps: bool = True,
                 language: str | None = None, task: str = "transcribe"):
-    """An engine (see `transcribe.pipeline.Engine`) for `model` on `device`. `decoder_mode` (auto,
+    """An engine (see `transcribe.engine_api.Engine`) for `model` on `device`. `decoder_mode` (auto,
     full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
     engines/encoder_backend.py) to Parakeet models, Whisper's encoder runs eager torch.

@@ -1,0 +1,50 @@
+"""What the pipeline needs of a model: the `Engine` and the `Frontend` its workers run.
+
+Parakeet (`engines/parakeet.py`) and Whisper (`engines/whisper_engine.py`) engines provide
+them; `transcribe/pipeline.py` and `transcribe/workers.py` use nothing else of a model.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from transcribe.results import Result
+
+
+class Frontend(Protocol):
+    """Audio piece -> features, run in the preprocessing workers; must pickle (plain `pickle`).
+
+    Parakeet: `engines.parakeet.LogMelFrontend` (NeMo log-mel, F = valid frames), or with
+    features on the device `transcribe.audio_frontend.AudioFrontend` (the samples: n_mels = 1,
+    F = T). A Whisper engine provides its own, e.g. 80/128 mels over a 30 s window: F = 3000.
+    """
+
+    sample_rate: int  # Hz the audio is resampled to
+    n_mels: int
+    max_piece_seconds: float  # a file up to this long is one piece; longer files are cut at pauses
+    cut_seconds: float  # ... into pieces no longer than this (<= max_piece_seconds)
+    max_frames: int  # F of the longest piece: the size of a slab slot is n_mels x max_frames
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray: ...  # float32 [T] -> float32 [n_mels, F]
+
+
+class Engine(Protocol):
+    """What the pipeline needs of a model (Parakeet or Whisper)."""
+
+    name: str
+    device: str
+    sample_rate: int
+    max_piece_seconds: float  # longest audio the model takes in one piece (== frontend's)
+    bucket_edges_s: tuple[float, ...]  # batch length buckets (s), increasing; last >= max piece
+    frontend: Frontend
+    stage_seconds: dict[str, float]  # accumulated time per stage, filled by the engine
+
+    def reserve(self, max_items: int) -> None: ...  # preallocate batch buffers, once at startup
+
+    # frontend outputs [n_mels, F_i] float32 (views into shared memory: copy before returning)
+    # -> Result per piece
+    def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]: ...
+
+    def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...  # frontend + the above
