@@ -228,11 +228,11 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     out2, calls = tmp_path / "out2", []
     real_write = pipeline.write_outputs
 
-    def filling_disk(result, stem, formats):
+    def filling_disk(result, stem, formats, writes=None):
         calls.append(stem)
         if len(calls) >= 3:
             raise OSError(errno.ENOSPC, "No space left on device", str(stem) + ".txt")
-        real_write(result, stem, formats)
+        real_write(result, stem, formats, writes)
 
     long.unlink()
     monkeypatch.setattr(pipeline, "write_outputs", filling_disk)

@@ -78,3 +78,56 @@ def test_results_log_drops_a_partial_last_line(tmp_path):
     with ResultsLog(p) as log:
         log.append({"audio_filepath": "/c", "status": "ok"})
     assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/c"]
+
+
+def test_staged_writes_appear_together_at_commit_and_fail_by_key(tmp_path, monkeypatch):
+    """Staged files are invisible (the old ones intact) until `commit()`, which renames them
+    into place; a key whose file cannot be renamed fails alone; a full disk at fsync removes
+    every temporary file and raises."""
+    import errno
+
+    from transcribe import writers
+    from transcribe.writers import StagedWrites
+
+    (tmp_path / "a.txt").write_text("old a\n")
+    (tmp_path / "c.txt").mkdir()  # a folder where c's transcript goes: its rename fails
+    w = StagedWrites()
+    for key in "abc":
+        w.stage(tmp_path / f"{key}.txt", f"new {key}\n".encode(), key=key)
+        w.stage(tmp_path / f"{key}.json", b"{}\n", key=key)
+    assert (tmp_path / "a.txt").read_text() == "old a\n" and not (tmp_path / "b.txt").exists()
+    failed = w.commit()
+    assert set(failed) == {"c"} and failed["c"].errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST)
+    assert (tmp_path / "a.txt").read_text() == "new a\n" and (tmp_path / "b.json").read_text() == "{}\n"
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    w.stage(tmp_path / "d.txt", b"d\n", key="d")
+    w.stage(tmp_path / "a.txt", b"newer a\n", key="a")
+    w.drop("d")
+    assert not list(tmp_path.glob(".d.txt.*.tmp"))
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writers.os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        w.commit()
+    assert (tmp_path / "a.txt").read_text() == "new a\n" and not (tmp_path / "d.txt").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_results_log_lines_are_flushed_at_once_and_synced_on_request(tmp_path, monkeypatch):
+    from transcribe import writers
+
+    synced = []
+    monkeypatch.setattr(writers.os, "fsync", lambda fd: synced.append(fd))
+    with ResultsLog(tmp_path / "results.jsonl") as log:
+        log.append({"n": 1})
+        log.append({"n": 2})
+        assert [r["n"] for r in read_results(tmp_path / "results.jsonl")] == [1, 2]  # a reader sees them now
+        assert synced == []
+        log.sync()
+        log.sync()  # nothing new: no second fsync
+        assert len(synced) == 1
+        log.append({"n": 3})
+    assert len(synced) == 2  # closing syncs the rest

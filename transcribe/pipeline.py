@@ -4,8 +4,8 @@ stitched results -> writers.
 Worker processes (`transcribe/workers.py`) decode, resample, cut long files at pauses and
 compute features into slots of a shared-memory slab (`transcribe/shm.py`); this process
 batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
-slots, frees them, and writes each file's outputs and its `results.jsonl` line as soon as its
-last piece is transcribed. A bad file, a crashed or hung worker, or a piece the model fails on
+slots, frees them, and writes the outputs of the files each batch finished, together
+(`writers.StagedWrites`), then their `results.jsonl` lines. A bad file, a crashed or hung worker, or a piece the model fails on
 (a failing batch runs again in halves, which also gets a batch that ran out of memory through)
 fails those files alone (`status: error`, with the reason), as does an output that cannot be
 written (a name too long, say); a full, over-quota or read-only output disk stops the run
@@ -15,7 +15,6 @@ behind; rerunning the command resumes.
 """
 from __future__ import annotations
 
-import errno
 import gc
 import queue
 import signal
@@ -39,15 +38,11 @@ from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_le
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
-from transcribe.writers import ResultsLog, output_paths, write_outputs
+from transcribe.writers import STOP_ERRNOS, ResultsLog, StagedWrites, output_paths, write_outputs
 
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
 IDLE_S = 0.05  # poll interval of the main loop while no piece waits
-
-
-# Write errors that every later write would hit too: they stop the run instead of failing files.
-STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class OutputStopped(Exception):
@@ -163,7 +158,8 @@ class _Job:
                  formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
         self.engine, self.stems, self.out_dir, self.formats = engine, stems, out_dir, formats
         self.log, self.stats, self.bar = log, stats, bar
-        self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until written or failed
+        self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
+        self.finished: list[tuple[InputFile, Result, float]] = []  # transcribed, to write (`_flush`)
         self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 
     def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
@@ -194,6 +190,10 @@ class _Job:
                         self._on_event(event, batcher, pool, slab)
                     if len(batcher):
                         self._run_batch(batcher.take(), pool, slab)
+                    self._flush()
+            except Interrupted:
+                self._flush()  # what was transcribed before ^C is written
+                raise
             finally:
                 gc.unfreeze()
         for k, v in pool.stage_seconds.items():
@@ -236,6 +236,7 @@ class _Job:
             if f is not None:
                 f.pieces[p.index] = (p.offset_s, r)
                 self._maybe_finish(p.fid)
+        self._flush()  # the batch's files written together (the loop flushes those its events finish)
 
     def _transcribe(self, batch: list[Piece], slab: Slab) -> list[Result | str]:
         """The engine's Result per piece, or the error (str) that piece failed with. A batch the
@@ -272,29 +273,56 @@ class _Job:
             return
         parts = [f.pieces[k] for k in range(f.expected)]
         result = stitch([r for _, r in parts], [o for o, _ in parts])
-        seconds = f.samples / self.engine.sample_rate
-        t0 = time.perf_counter()
-        try:
-            write_outputs(result, self.out_dir / self.stems[f.file.path], self.formats)
-        except OSError as e:
-            if e.errno in STOP_ERRNOS:
-                raise OutputStopped(f"{self.out_dir}: {e.strerror}") from e
-            self._fail(fid, f"{f.file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
-            return
         del self.files[fid]
-        self._log({"audio_filepath": str(f.file.path), "duration": round(seconds, 3), "text": result.text,
-                   "status": "ok", "error": None, "model": self.engine.name, **file_identity(f.file.path)})
+        self.finished.append((f.file, result, f.samples / self.engine.sample_rate))
+
+    def _flush(self) -> None:
+        """Write the files transcribed since the last flush (all their outputs staged, then one
+        `StagedWrites.commit`: fsyncs that share the file system's journal commits), then their
+        results.jsonl lines, then sync the log: an `ok` line never outlives its outputs. A
+        full disk stops the run after the files staged before it are written."""
+        t0 = time.perf_counter()
+        writes, staged, stop = StagedWrites(), [], None
+        for file, result, seconds in self.finished:
+            stem = self.out_dir / self.stems[file.path]
+            try:
+                write_outputs(result, stem, self.formats, writes)
+            except OSError as e:
+                writes.drop(stem)
+                if e.errno in STOP_ERRNOS:
+                    stop = e
+                    break
+                self._fail_file(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
+                continue
+            staged.append((file, result, seconds, stem))
+        self.finished.clear()
+        try:
+            failed = writes.commit()
+        except OSError as e:
+            raise OutputStopped(f"{self.out_dir}: {e.strerror}") from e
+        for file, result, seconds, stem in staged:
+            if stem in failed:
+                e = failed[stem]
+                self._fail_file(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
+                continue
+            self._log({"audio_filepath": str(file.path), "duration": round(seconds, 3), "text": result.text,
+                       "status": "ok", "error": None, "model": self.engine.name, **file_identity(file.path)})
+            self.stats.files_ok += 1
+            self.stats.audio_seconds += seconds
+            self.stats.texts[file.path] = result.text
+            self.bar.step()
+        self._sync_log()
         self.stats.stage_seconds["write"] += time.perf_counter() - t0
-        self.stats.files_ok += 1
-        self.stats.audio_seconds += seconds
-        self.stats.texts[f.file.path] = result.text
-        self.bar.step()
+        if stop is not None:
+            raise OutputStopped(f"{self.out_dir}: {stop.strerror}") from stop
 
     def _fail(self, fid: int, error: str) -> None:
-        f = self.files.pop(fid)
+        self._fail_file(self.files.pop(fid).file, error)
+
+    def _fail_file(self, file: InputFile, error: str) -> None:
         print(f"error: {error}", file=sys.stderr)
-        self._log({"audio_filepath": str(f.file.path), "duration": None, "text": "", "status": "error",
-                   "error": error, "model": self.engine.name, **file_identity(f.file.path)})
+        self._log({"audio_filepath": str(file.path), "duration": None, "text": "", "status": "error",
+                   "error": error, "model": self.engine.name, **file_identity(file.path)})
         self.stats.files_failed += 1
         self.bar.step()
 
@@ -303,6 +331,13 @@ class _Job:
         more lines the run stops (a partial last line is dropped when it is next opened)."""
         try:
             self.log.append(record)
+        except OSError as e:
+            raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
+
+    def _sync_log(self) -> None:
+        """Make the lines appended since the last sync durable (`ResultsLog.sync`)."""
+        try:
+            self.log.sync()
         except OSError as e:
             raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
 

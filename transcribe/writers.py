@@ -6,6 +6,7 @@ flushed line per file, so a kill leaves only whole lines.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -90,6 +91,9 @@ def _umask() -> int:
     return mask
 
 
+# Write errors that every later write would hit too: they stop a run instead of failing files.
+STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
 # mkstemp creates its files 0600; outputs get the mode a plain open() would give them.
 FILE_MODE = 0o666 & ~_umask()  # read once, at import (os.umask can only be read by setting it)
 
@@ -104,21 +108,86 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_bytes(path: Path, data) -> None:
     """Write `data` (bytes or any buffer, e.g. TensorRT's IHostMemory) so that readers see the
     old file or the whole new one, never a part: temp file in the same folder, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary name starts with at most 32 characters of the final one: the whole name
-    # plus mkstemp's 14 would pass the 255-byte limit for a final name that fits it.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp", dir=path.parent)
+    writes = StagedWrites()
+    writes.stage(path, data)
+    for error in writes.commit().values():
+        raise error
+
+
+class StagedWrites:
+    """Files written together, each atomically: `stage()` writes one to a temporary name in its
+    folder; `commit()` fsyncs them all, then renames them all into place, so each is the old
+    file or the whole new one, never a part, and is on disk before its name points to it.
+
+    Together because an fsync on ext4 commits the journal transaction that holds the file, and
+    the next file's create waits for that commit: 5,000 one-second files spent 4.0 s writing
+    their transcripts one fsync at a time (an fsync 0.37 ms, the next create 0.25 ms). Files
+    created in one transaction share its commit: the first fsync pays for all of them.
+
+    `key` names the files of one input: `commit()` returns the error of each key that failed
+    (a key whose fsync failed has none of its files renamed; a rename that fails leaves those
+    renamed before it), and raises a write error that every later write would hit too (full,
+    over quota, read-only disk) after removing every temporary file."""
+
+    def __init__(self):
+        self._staged: list[tuple[str, Path, object]] = []  # (temporary, final path, key)
+
+    def stage(self, path: Path, data, key: object = None) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # The temporary name starts with at most 32 characters of the final one: the whole name
+        # plus mkstemp's 14 would pass the 255-byte limit for a final name that fits it.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), FILE_MODE)
+                f.write(memoryview(data))
+        except BaseException:
+            # Any failure (disk full, ^C, SIGTERM) removes the temporary file; the old one stays intact.
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._staged.append((tmp, path, key))
+
+    def drop(self, key: object) -> None:
+        """Remove the staged files of `key` (one of its outputs could not be staged)."""
+        for tmp, _, k in self._staged:
+            if k == key:
+                Path(tmp).unlink(missing_ok=True)
+        self._staged = [s for s in self._staged if s[2] != key]
+
+    def commit(self) -> dict[object, OSError]:
+        failed: dict[object, OSError] = {}
+        try:
+            for tmp, _, key in self._staged:
+                if key not in failed:
+                    failed.update(_fsync_path(tmp, key))
+            for tmp, path, key in self._staged:
+                if key not in failed:
+                    try:
+                        os.replace(tmp, path)
+                    except OSError as e:
+                        failed[key] = e
+        finally:
+            # Whatever is left (a failed key's files; everything, if an error stopped it)
+            # is removed: the old files stay intact.
+            for tmp, _, _ in self._staged:
+                Path(tmp).unlink(missing_ok=True)
+            self._staged = []
+        for error in failed.values():
+            if error.errno in STOP_ERRNOS:
+                raise error
+        return failed
+
+
+def _fsync_path(tmp: str, key: object) -> dict[object, OSError]:
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), FILE_MODE)
-            f.write(memoryview(data))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Any failure (disk full, ^C, SIGTERM) removes the temporary file; the old one stays intact.
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return {key: e}
+    return {}
 
 
 def output_paths(out_stem: Path, formats: list[str]) -> dict[str, Path]:
@@ -126,10 +195,14 @@ def output_paths(out_stem: Path, formats: list[str]) -> dict[str, Path]:
     return {fmt: out_stem.with_name(out_stem.name + "." + fmt) for fmt in formats}
 
 
-def write_outputs(result, out_stem: Path, formats: list[str]) -> None:
-    """Write one file's transcript in each format (`output_paths`)."""
+def write_outputs(result, out_stem: Path, formats: list[str], writes: StagedWrites | None = None) -> None:
+    """Write one file's transcript in each format (`output_paths`): at once, or staged in
+    `writes` under the key `out_stem` until its `commit()`."""
     for fmt, path in output_paths(out_stem, formats).items():
-        atomic_write_text(path, WRITERS[fmt](result))
+        if writes is None:
+            atomic_write_text(path, WRITERS[fmt](result))
+        else:
+            writes.stage(path, WRITERS[fmt](result).encode("utf-8"), key=out_stem)
 
 
 def results_line(record: dict) -> str:
@@ -145,21 +218,38 @@ def results_line(record: dict) -> str:
 
 
 class ResultsLog:
-    """`results.jsonl`, appended one complete line per file and flushed at once."""
+    """`results.jsonl`, appended one complete line per file and flushed at once: in the file
+    for every reader, and past a kill of this process. `sync()` makes the lines since the last
+    one durable past a crash of the machine too; the pipeline calls it once per batch rather
+    than per line (an fsync per line was 0.14 ms, a fifth of a short file's writing). A line
+    appended after its file's outputs were fsynced and renamed can never be durable before
+    them, so a crash loses at most the last lines, whose files the next run redoes."""
 
     def __init__(self, path: Path):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         _repair_tail(path)
         self._f = open(path, "a", encoding="utf-8")
+        self._unsynced = False
 
     def append(self, record: dict) -> None:
         self._f.write(results_line(record))
         self._f.flush()
-        os.fsync(self._f.fileno())
+        self._unsynced = True
+
+    def sync(self) -> None:
+        if self._unsynced:
+            os.fsync(self._f.fileno())
+            self._unsynced = False
 
     def close(self) -> None:
-        self._f.close()
+        """Sync and close; a sync that fails here leaves the lines to the kernel's writeback."""
+        try:
+            self.sync()
+        except OSError:
+            pass
+        finally:
+            self._f.close()
 
     def __enter__(self) -> "ResultsLog":
         return self
