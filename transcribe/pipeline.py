@@ -5,13 +5,13 @@ Worker processes (`transcribe/workers.py`) decode, resample, cut long files at p
 compute features into slots of a shared-memory slab (`transcribe/shm.py`); this process
 batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
 slots, frees them, and writes the outputs of the files each batch finished, together
-(`writers.StagedWrites`), then their `results.jsonl` lines. A bad file, a crashed or hung worker, or a piece the model fails on
-(a failing batch runs again in halves, which also gets a batch that ran out of memory through)
-fails those files alone (`status: error`, with the reason), as does an output that cannot be
-written (a name too long, say); a full, over-quota or read-only output disk stops the run
-(`OutputStopped`), since every later write would fail too. ^C and SIGTERM stop at once. Every
-way of stopping leaves each finished file written and no worker, segment or temporary file
-behind; rerunning the command resumes.
+(`writers.StagedWrites`), then their `results.jsonl` lines. A bad file, a crashed or hung
+worker, or a piece the model fails on (a failing batch runs again in halves, which also gets
+a batch that ran out of memory through) fails those files alone (`status: error`, with the
+reason), as does an output that cannot be written (a name too long, say); a full, over-quota
+or read-only output disk stops the run (`OutputStopped`), since every later write would fail
+too. ^C and SIGTERM stop at once. Every way of stopping leaves each finished file written and
+no worker, segment or temporary file behind; rerunning the command resumes.
 """
 from __future__ import annotations
 
