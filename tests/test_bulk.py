@@ -209,6 +209,7 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     and the rerun resumes after them."""
     import errno
 
+    import transcribe.output_writer as output_writer
     import transcribe.pipeline as pipeline
     from engines.parakeet import ParakeetEngine
     from transcribe.inputs import discover
@@ -226,7 +227,7 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     _assert_clean(out)
 
     out2, calls = tmp_path / "out2", []
-    real_write = pipeline.write_outputs
+    real_write = output_writer.write_outputs
 
     def filling_disk(result, stem, formats, writes=None):
         calls.append(stem)
@@ -235,14 +236,14 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
         real_write(result, stem, formats, writes)
 
     long.unlink()
-    monkeypatch.setattr(pipeline, "write_outputs", filling_disk)
-    with pytest.raises(pipeline.OutputStopped, match="No space left on device"):
+    monkeypatch.setattr(output_writer, "write_outputs", filling_disk)
+    with pytest.raises(output_writer.OutputStopped, match="No space left on device"):
         pipeline.run(engine, discover([str(inp)]), out2, ["txt", "json"], workers=1)
     done = _rows(out2)
     assert len(done) == 2 and all(r["status"] == "ok" for r in done)
     assert sorted(p.name for p in out2.glob("*.txt")) == sorted(Path(r["audio_filepath"]).stem + ".txt" for r in done)
     _assert_clean(out2)
-    monkeypatch.setattr(pipeline, "write_outputs", real_write)
+    monkeypatch.setattr(output_writer, "write_outputs", real_write)
     stats = pipeline.run(engine, discover([str(inp)]), out2, ["txt", "json"], workers=1)
     assert (stats.files_skipped, stats.files_ok, len(_rows(out2))) == (2, 3, 5)
 

@@ -230,7 +230,8 @@ def merge(
 
 def _interruptible(job):
     """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up."""
-    from transcribe.pipeline import Interrupted, OutputStopped
+    from transcribe.output_writer import OutputStopped
+    from transcribe.pipeline import Interrupted
     from transcribe.resume import OutputBusy
     from transcribe.shm import SharedMemoryTooSmall
     from transcribe.workers import WorkerStartError

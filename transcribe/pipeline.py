@@ -4,8 +4,8 @@ stitched results -> writers.
 Worker processes (`transcribe/workers.py`) decode, resample, cut long files at pauses and
 compute features into slots of a shared-memory slab (`transcribe/shm.py`); this process
 batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
-slots, frees them, and writes the outputs of the files each batch finished, together
-(`writers.StagedWrites`), then their `results.jsonl` lines. A bad file, a crashed or hung
+slots, frees them, and has the files each batch finished written together, outputs first,
+then their `results.jsonl` lines (`transcribe/output_writer.py`). A bad file, a crashed or hung
 worker, or a piece the model fails on (a failing batch runs again in halves, which also gets
 a batch that ran out of memory through) fails those files alone (`status: error`, with the
 reason), as does an output that cannot be written (a name too long, say); a full, over-quota
@@ -33,20 +33,17 @@ from transcribe.audio import AudioError, audio_info
 from transcribe.batching import Batcher, PaddingStats
 from transcribe.engine_api import Engine, Frontend
 from transcribe.inputs import InputFile, output_stems
+from transcribe.output_writer import OutputWriter
 from transcribe.results import Result
-from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_leftovers
+from transcribe.resume import out_dir_lock, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
-from transcribe.writers import STOP_ERRNOS, ResultsLog, StagedWrites, output_paths, write_outputs
+from transcribe.writers import ResultsLog, output_paths
 
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
 IDLE_S = 0.05  # poll interval of the main loop while no piece waits
-
-
-class OutputStopped(Exception):
-    """The output folder took no more writes (full, over quota, read-only): the run stopped."""
 
 
 class Interrupted(BaseException):
@@ -156,10 +153,9 @@ class _Job:
 
     def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], out_dir: Path,
                  formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
-        self.engine, self.stems, self.out_dir, self.formats = engine, stems, out_dir, formats
-        self.log, self.stats, self.bar = log, stats, bar
+        self.engine, self.stats = engine, stats
+        self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, stats, bar)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
-        self.finished: list[tuple[InputFile, Result, float]] = []  # transcribed, to write (`_flush`)
         self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 
     def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
@@ -274,72 +270,13 @@ class _Job:
         parts = [f.pieces[k] for k in range(f.expected)]
         result = stitch([r for _, r in parts], [o for o, _ in parts])
         del self.files[fid]
-        self.finished.append((f.file, result, f.samples / self.engine.sample_rate))
+        self.outputs.finished(f.file, result, f.samples / self.engine.sample_rate)
 
     def _flush(self) -> None:
-        """Write the files transcribed since the last flush (all their outputs staged, then one
-        `StagedWrites.commit`: fsyncs that share the file system's journal commits), then their
-        results.jsonl lines, then sync the log: an `ok` line never outlives its outputs. A
-        full disk stops the run after the files staged before it are written."""
-        t0 = time.perf_counter()
-        writes, staged, stop = StagedWrites(), [], None
-        for file, result, seconds in self.finished:
-            stem = self.out_dir / self.stems[file.path]
-            try:
-                write_outputs(result, stem, self.formats, writes)
-            except OSError as e:
-                writes.drop(stem)
-                if e.errno in STOP_ERRNOS:
-                    stop = e
-                    break
-                self._fail_file(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
-                continue
-            staged.append((file, result, seconds, stem))
-        self.finished.clear()
-        try:
-            failed = writes.commit()
-        except OSError as e:
-            raise OutputStopped(f"{self.out_dir}: {e.strerror}") from e
-        for file, result, seconds, stem in staged:
-            if stem in failed:
-                e = failed[stem]
-                self._fail_file(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
-                continue
-            self._log({"audio_filepath": str(file.path), "duration": round(seconds, 3), "text": result.text,
-                       "status": "ok", "error": None, "model": self.engine.name, **file_identity(file.path)})
-            self.stats.files_ok += 1
-            self.stats.audio_seconds += seconds
-            self.stats.texts[file.path] = result.text
-            self.bar.step()
-        self._sync_log()
-        self.stats.stage_seconds["write"] += time.perf_counter() - t0
-        if stop is not None:
-            raise OutputStopped(f"{self.out_dir}: {stop.strerror}") from stop
+        self.outputs.flush()
 
     def _fail(self, fid: int, error: str) -> None:
-        self._fail_file(self.files.pop(fid).file, error)
-
-    def _fail_file(self, file: InputFile, error: str) -> None:
-        print(f"error: {error}", file=sys.stderr)
-        self._log({"audio_filepath": str(file.path), "duration": None, "text": "", "status": "error",
-                   "error": error, "model": self.engine.name, **file_identity(file.path)})
-        self.stats.files_failed += 1
-        self.bar.step()
-
-    def _log(self, record: dict) -> None:
-        """Append a results.jsonl line. The log is what a rerun resumes from: if it takes no
-        more lines the run stops (a partial last line is dropped when it is next opened)."""
-        try:
-            self.log.append(record)
-        except OSError as e:
-            raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
-
-    def _sync_log(self) -> None:
-        """Make the lines appended since the last sync durable (`ResultsLog.sync`)."""
-        try:
-            self.log.sync()
-        except OSError as e:
-            raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
+        self.outputs.fail(self.files.pop(fid).file, error)
 
 
 def _padded_seconds(batch: list[Piece], sample_rate: int) -> float:
