@@ -39,7 +39,7 @@ class OutputWriter:
 
     def flush(self) -> None:
         """Write the files transcribed since the last flush (all their outputs staged, then one
-        `StagedWrites.commit`: fsyncs that share the file system's journal commits), then their
+        `StagedWrites.commit`), then their
         results.jsonl lines, then sync the log: an `ok` line never outlives its outputs. A
         full disk stops the run after the files staged before it are written."""
         t0 = time.perf_counter()
@@ -53,7 +53,7 @@ class OutputWriter:
                 if e.errno in STOP_ERRNOS:
                     stop = e
                     break
-                self.fail(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
+                self._cannot_write(file, e)
                 continue
             staged.append((file, result, seconds, stem))
         self.pending.clear()
@@ -63,8 +63,7 @@ class OutputWriter:
             raise OutputStopped(f"{self.out_dir}: {e.strerror}") from e
         for file, result, seconds, stem in staged:
             if stem in failed:
-                e = failed[stem]
-                self.fail(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
+                self._cannot_write(file, failed[stem])
                 continue
             self._log({"audio_filepath": str(file.path), "duration": round(seconds, 3), "text": result.text,
                        "status": "ok", "error": None, "model": self.model, **file_identity(file.path)})
@@ -83,6 +82,9 @@ class OutputWriter:
                    "error": error, "model": self.model, **file_identity(file.path)})
         self.stats.files_failed += 1
         self.bar.step()
+
+    def _cannot_write(self, file: InputFile, e: OSError) -> None:
+        self.fail(file, f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})")
 
     def _log(self, record: dict) -> None:
         """Append a results.jsonl line. The log is what a rerun resumes from: if it takes no
