@@ -117,16 +117,17 @@ def read_manifest(path: Path) -> list[InputFile]:
     A line that cannot be read does not stop the job: it becomes an input that fails with the
     reason (`InputFile.problem`), under its audio path if it names one, else under
     `MANIFEST:LINE`, so it shows in results.jsonl and the run exits 3 with the rest done."""
-    base = path.resolve().parent
+    manifest = path.resolve()
     out = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
-                out.append(_manifest_entry(raw, path.resolve(), lineno, base))
+                out.append(_manifest_entry(raw, manifest, lineno))
     return out
 
 
-def _manifest_entry(raw: bytes, manifest: Path, lineno: int, base: Path) -> InputFile:
+def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
+    base = manifest.parent
     where = Path(f"{manifest}:{lineno}")  # stands for the line when it names no audio
 
     def broken(reason: str, at: Path = where) -> InputFile:

@@ -186,9 +186,9 @@ class _Job:
                         self._on_event(event, batcher, pool, slab)
                     if len(batcher):
                         self._run_batch(batcher.take(), pool, slab)
-                    self._flush()
+                    self.outputs.flush()
             except Interrupted:
-                self._flush()  # what was transcribed before ^C is written
+                self.outputs.flush()  # what was transcribed before ^C is written
                 raise
             finally:
                 gc.unfreeze()
@@ -232,7 +232,7 @@ class _Job:
             if f is not None:
                 f.pieces[p.index] = (p.offset_s, r)
                 self._maybe_finish(p.fid)
-        self._flush()  # the batch's files written together (the loop flushes those its events finish)
+        self.outputs.flush()  # the batch's files written together (the loop flushes those its events finish)
 
     def _transcribe(self, batch: list[Piece], slab: Slab) -> list[Result | str]:
         """The engine's Result per piece, or the error (str) that piece failed with. A batch the
@@ -271,9 +271,6 @@ class _Job:
         result = stitch([r for _, r in parts], [o for o, _ in parts])
         del self.files[fid]
         self.outputs.finished(f.file, result, f.samples / self.engine.sample_rate)
-
-    def _flush(self) -> None:
-        self.outputs.flush()
 
     def _fail(self, fid: int, error: str) -> None:
         self.outputs.fail(self.files.pop(fid).file, error)

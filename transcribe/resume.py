@@ -79,8 +79,7 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str 
                 "size": r.get("size"), "mtime": r.get("mtime")
             } and (model is None or r.get("model") == model) and written(by_path[str(p)]):
                 done.add(str(p))
-    todo_paths = by_path.keys()
-    keep = [r for r in records if r["audio_filepath"] not in todo_paths or r["audio_filepath"] in done]
+    keep = [r for r in records if r["audio_filepath"] not in by_path or r["audio_filepath"] in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))
     todo = [f for f in files if str(f.path) not in done]
