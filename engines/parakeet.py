@@ -109,6 +109,7 @@ class ParakeetEngine:
                  backend_options: BackendOptions = BackendOptions(), features_on: str = "auto"):
         self.name = name
         self.device = device
+        self.settings: dict[str, str] = {}  # no language or task to choose (transcribe.engine_api)
         self.encoder = encoder.to(device)
         self.decoder = decoder.to(device) if hasattr(decoder, "to") else decoder
         self.tokenizer = tokenizer

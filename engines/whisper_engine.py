@@ -148,6 +148,15 @@ class WhisperEngine:
         self.stage_seconds = decoder.stage_seconds
 
     @property
+    def settings(self) -> dict[str, str]:
+        """The language asked for (or auto) and the task, for multilingual models; English-only
+        ones have no choice to make (see transcribe.engine_api.Engine.settings)."""
+        opts = self.decoder.opts
+        if not self.decoder.tok.is_multilingual:
+            return {}
+        return {"language": opts.language or "auto", "task": opts.task}
+
+    @property
     def runtime(self) -> str:
         """How the model runs, for the one-line startup note: dtypes, the decoder mode and, for
         multilingual models, the language (or auto)."""

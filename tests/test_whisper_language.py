@@ -148,11 +148,19 @@ def test_cli_language_auto_writes_each_files_language(tmp_path):
     assert json.loads((tmp_path / "2414-128291-0008.json").read_text())["language"] == "ru"
     bad = run_cli(str(files[0]), "--out", str(tmp_path / "x"), "--model", "whisper-base", "--language", "xx")
     assert bad.returncode == 1 and "language='xx' is not in this vocabulary" in bad.stderr
-    # Translating English speech into English keeps it English.
-    translated = run_cli(str(files[0]), "--out", str(tmp_path / "t"), "--model", "whisper-base", "--task", "translate",
-                         "--format", "txt", "--no-progress")
+    # Translating English speech into English keeps it English. Into the same folder: the
+    # language and task are part of what is done, so the file is redone, not skipped as done
+    # by the auto-language run, and a second identical run skips it.
+    translate = (str(files[0]), "--out", str(tmp_path), "--model", "whisper-base", "--task", "translate",
+                 "--format", "json", "--no-progress")
+    translated = run_cli(*translate)
     assert translated.returncode == 0 and "language en, translate" in translated.stderr
-    assert "ask not what your country can do for you" in (tmp_path / "t" / "jfk.txt").read_text().lower()
+    assert "0 already done" in translated.stderr
+    assert "ask not what your country can do for you" in json.loads((tmp_path / "jfk.json").read_text())["text"].lower()
+    rows = {r["audio_filepath"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert rows[str(files[0])]["settings"] == {"language": "en", "task": "translate"}
+    assert rows[str(files[1])]["settings"] == {"language": "auto", "task": "transcribe"}
+    assert "1 already done" in run_cli(*translate).stderr
 
 
 @torch.inference_mode()

@@ -35,6 +35,10 @@ class Engine(Protocol):
 
     name: str
     device: str
+    # Choices besides the model that change the words (Whisper's language and task; Parakeet:
+    # none). Recorded with each file in results.jsonl: a rerun with other settings redoes the
+    # file. Precision, backends and batch sizes are left out: they change a word in hundreds.
+    settings: dict[str, str]
     sample_rate: int
     max_piece_seconds: float  # longest audio the model takes in one piece (== frontend's)
     bucket_edges_s: tuple[float, ...]  # batch length buckets (s), increasing; last >= max piece

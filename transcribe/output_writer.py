@@ -29,8 +29,10 @@ class OutputWriter:
     """One run's writing: `stats` (pipeline.RunStats) counts what is written, `bar` steps."""
 
     def __init__(self, out_dir: Path, formats: list[str], stems: dict[Path, Path], log: ResultsLog, model: str,
-                 stats, bar):
-        self.out_dir, self.formats, self.stems, self.log, self.model = out_dir, formats, stems, log, model
+                 settings: dict[str, str], stats, bar):
+        self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
+        # What a rerun compares besides the model (engine_api.Engine.settings); none: no key.
+        self.made_by = {"model": model, **({"settings": settings} if settings else {})}
         self.stats, self.bar = stats, bar
         self.pending: list[tuple[InputFile, Result, float]] = []  # transcribed, to write at `flush`
 
@@ -66,7 +68,7 @@ class OutputWriter:
                 self._cannot_write(file, failed[stem])
                 continue
             self._log({"audio_filepath": str(file.path), "duration": round(seconds, 3), "text": result.text,
-                       "status": "ok", "error": None, "model": self.model, **file_identity(file.path)})
+                       "status": "ok", "error": None, **self.made_by, **file_identity(file.path)})
             self.stats.files_ok += 1
             self.stats.audio_seconds += seconds
             self.stats.texts[file.path] = result.text
@@ -79,7 +81,7 @@ class OutputWriter:
     def fail(self, file: InputFile, error: str) -> None:
         print(f"error: {error}", file=sys.stderr)
         self._log({"audio_filepath": str(file.path), "duration": None, "text": "", "status": "error",
-                   "error": error, "model": self.model, **file_identity(file.path)})
+                   "error": error, **self.made_by, **file_identity(file.path)})
         self.stats.files_failed += 1
         self.bar.step()
 

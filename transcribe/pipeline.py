@@ -96,7 +96,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         sweep_leftovers(out_dir)
         stems = output_stems(files)
         todo, stats.files_skipped = plan_resume(
-            files, out_dir / "results.jsonl", force, model=engine.name,
+            files, out_dir / "results.jsonl", force, model=engine.name, settings=engine.settings,
             written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.path], formats).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
@@ -154,7 +154,7 @@ class _Job:
     def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], out_dir: Path,
                  formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
         self.engine, self.stats = engine, stats
-        self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, stats, bar)
+        self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
         self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 

@@ -1,7 +1,7 @@
 """Resume state in `--out`: which files are done, and what a killed run left behind.
 
 A file is done when results.jsonl has an ok line for its path with the same size and
-modification time; a rerun skips it and redoes everything else (failed or changed files),
+modification time, by the same model and settings, and its outputs exist (`plan_resume`); a rerun skips it and redoes everything else (failed or changed files),
 after dropping their old lines so each file ends with exactly one. One run at a time holds
 a folder (`out_dir_lock`).
 """
@@ -63,9 +63,11 @@ def file_identity(path: Path) -> dict:
 
 
 def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str | None = None,
+                settings: dict[str, str] | None = None,
                 written: Callable[[InputFile], bool] = lambda f: True) -> tuple[list[InputFile], int]:
-    """Drop files already done (same path, size, mtime, status ok, by `model` when given, so
-    a rerun with another model transcribes again rather than keep the old model's text, and
+    """Drop files already done (same path, size, mtime, status ok, by `model` and with
+    `settings` when given, so a rerun with another model, or Whisper with another --language
+    or --task, transcribes again rather than keep the old text, and
     `written`: the outputs this run asks for exist, so a rerun with `--format srt` after a
     txt-only run writes the subtitles, and a deleted transcript is made again) and rewrite the
     log without the lines of files about to be redone, so every file ends with one line."""
@@ -77,7 +79,9 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str 
             p = Path(r["audio_filepath"])
             if r.get("status") == "ok" and str(p) in by_path and file_identity(p) == {
                 "size": r.get("size"), "mtime": r.get("mtime")
-            } and (model is None or r.get("model") == model) and written(by_path[str(p)]):
+            } and (model is None or r.get("model") == model) and (
+                settings is None or r.get("settings", {}) == settings
+            ) and written(by_path[str(p)]):
                 done.add(str(p))
     keep = [r for r in records if r["audio_filepath"] not in by_path or r["audio_filepath"] in done]
     if len(keep) != len(records):
