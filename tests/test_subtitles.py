@@ -3,7 +3,7 @@ import math
 import random
 
 from transcribe.results import Result, Segment, Word
-from transcribe.subtitles import MAX_CUE_CHARS, MAX_CUE_SECONDS, MAX_LINE_CHARS, _timed_tokens, cues, wrap
+from transcribe.subtitles import MAX_CUE_CHARS, MAX_CUE_SECONDS, MAX_LINE_CHARS, _timed_tokens, _Token, cues, wrap
 from transcribe.writers import needs_words, write_srt
 
 
@@ -23,7 +23,7 @@ def _speech(n_words: int, seed: int, t0: float = 0.0, pause_every: int = 0) -> t
 
 def _fits(cue_words: list[Word]) -> bool:
     text = " ".join(w.word for w in cue_words)
-    lines = wrap(text.split())
+    lines = wrap([_Token(t, 0.0, 0.0) for t in text.split()])
     return (len(text) <= MAX_CUE_CHARS and cue_words[-1].end - cue_words[0].start <= MAX_CUE_SECONDS
             and max(map(len, lines)) <= MAX_LINE_CHARS)
 
@@ -120,3 +120,35 @@ def test_srt_writes_the_cues_and_subtitles_ask_for_word_times():
     assert len(blocks) == len(cues(Result(text, words, [Segment(text, 0.0, words[-1].end)]))) >= math.ceil(len(text) / MAX_CUE_CHARS)
     assert all(len(line) <= MAX_LINE_CHARS for b in blocks for line in b.splitlines()[2:])
     assert needs_words(["srt"]) and needs_words(["vtt"]) and needs_words(["json"]) and not needs_words(["txt"])
+
+
+def _columns(line: str) -> int:
+    return sum(2 if "\u3000" <= ch <= "\u9fff" or "\uff00" <= ch <= "\uffef" else 1 for ch in line)
+
+
+def test_text_without_spaces_is_cut_between_its_words_by_display_width():
+    """Chinese: Whisper's words are a few characters each and the segment text one run without
+    spaces. It is cut between words (never inside one), rejoined without spaces, and a wide
+    character takes two columns of a line."""
+    rng = random.Random(5)
+    hanzi = [chr(c) for c in range(0x4E00, 0x4E00 + 200)]
+    words, t = [], 0.0
+    for i in range(60):
+        w = "".join(rng.choice(hanzi) for _ in range(rng.randint(1, 3))) + ("，" if i % 7 == 6 else "")
+        words.append(Word(w, t, t + 0.22 * len(w)))
+        t += 0.22 * len(w) + 0.05
+    text = "".join(w.word for w in words)
+    got = cues(Result(text, words, [Segment(text, 0.0, words[-1].end)]))
+    assert "".join("".join(c.lines) for c in got) == text
+    assert len(got) >= math.ceil(sum(map(_columns, text)) / MAX_CUE_CHARS)
+    starts = {w.start for w in words}
+    for c in got[:-1]:
+        assert all(_columns(line) <= MAX_LINE_CHARS for line in c.lines) and len(c.lines) <= 2, c
+        assert c.end - c.start <= MAX_CUE_SECONDS + 1e-9
+    assert all(c.start in starts for c in got[1:])  # every cut falls between two words
+    # Mixed with spaced words: the spaces stay where the text has them, no others are added.
+    mixed = [Word("我们用", 0.0, 0.6), Word("Python", 0.7, 1.1), Word("写", 1.2, 1.4), Word("代码。", 1.4, 2.0)]
+    mtext = "我们用 Python 写代码。"
+    (tokens,) = _timed_tokens([Segment(mtext, 0.0, 2.0)], mixed)
+    assert [(t.text, t.glued) for t in tokens] == [("我们用", False), ("Python", False), ("写", False), ("代码。", True)]
+    assert wrap(tokens) == (mtext,)

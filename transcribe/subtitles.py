@@ -11,9 +11,16 @@ segment's text: words are never moved or respelled, only the whitespace between 
 Word times come from `Result.words`, matched to the segment text character by character
 (whitespace aside: Whisper's words split "self-substantial" in two, the text does not). A
 result whose words do not spell its segments (none aligned) keeps one cue per segment.
+
+Scripts written without spaces (Chinese, Japanese, Thai, ...: Whisper's words there are a few
+characters each, the segment text one unbroken run) are cut between words inside a run and
+rejoined without a space. Widths are display columns: a wide (CJK) character takes two, so a
+line holds 21 of them, near the 16 of Netflix's Chinese guideline, and a 7 s cue of speech at
+4-5 characters a second fills well under two lines.
 """
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 
 MAX_LINE_CHARS = 42
@@ -23,7 +30,10 @@ MAX_CUE_SECONDS = 7.0
 # Among splits into the fewest cues: a cut after a punctuation mark is worth half the
 # difference between an empty cue and a full one.
 _PUNCTUATION_BONUS = 0.5
-_PUNCTUATION = tuple(",;:.?!")
+_PUNCTUATION = tuple(",;:.?!，、；：。？！")
+# Scripts written without spaces between words that are not East Asian wide: Thai, Lao,
+# Myanmar, Khmer (wide ones, CJK, are found by their width).
+_UNSPACED_RANGES = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF))
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,21 @@ class _Token:
     text: str  # whitespace-free, as in the segment text
     start: float
     end: float
+    glued: bool = False  # no space before it in the text (a word inside an unspaced run)
+
+    @property
+    def columns(self) -> int:
+        return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in self.text)
+
+
+def _unspaced(ch: str) -> bool:
+    """A character of a script written without spaces between words."""
+    return unicodedata.east_asian_width(ch) in "WF" or any(a <= ord(ch) <= b for a, b in _UNSPACED_RANGES)
+
+
+def _join(tokens: list[_Token]) -> str:
+    """Tokens as the text spells them: a space before each unless it is glued (or first)."""
+    return "".join(("" if t.glued or i == 0 else " ") + t.text for i, t in enumerate(tokens))
 
 
 def cues(result) -> list[Cue]:
@@ -50,7 +75,7 @@ def cues(result) -> list[Cue]:
     out: list[Cue] = []
     for i, seg in enumerate(segments):
         if timed is None:
-            out.append(Cue(seg.start, seg.end, wrap(seg.text.split())))
+            out.append(Cue(seg.start, seg.end, wrap([_Token(t, seg.start, seg.end) for t in seg.text.split()])))
             continue
         groups = _cut(timed[i])
         for k, group in enumerate(groups):
@@ -58,14 +83,16 @@ def cues(result) -> list[Cue]:
             # overlap), and the first and last keep the segment's own times.
             start = seg.start if k == 0 else max(group[0].start, out[-1].end)
             end = seg.end if k == len(groups) - 1 else group[-1].end
-            out.append(Cue(start, max(start, end), wrap([t.text for t in group])))
+            out.append(Cue(start, max(start, end), wrap(group)))
     return out
 
 
 def _timed_tokens(segments, words) -> list[list[_Token]] | None:
     """Each segment's whitespace tokens with the times of the words that spell them: a token
     starts when the word holding its first character starts and ends when the word holding
-    its last character ends. None when the words do not spell the segments' text."""
+    its last character ends; a token is also split where one word ends and the next starts
+    between two characters of an unspaced script (the second part glued to the first). None
+    when the words do not spell the segments' text."""
     owner: list[int] = []  # word index of each non-space character of the words, in order
     chars: list[str] = []
     for k, w in enumerate(words):
@@ -79,8 +106,11 @@ def _timed_tokens(segments, words) -> list[list[_Token]] | None:
         for text in seg.text.split():
             if "".join(chars[pos:pos + len(text)]) != text:
                 return None
-            first, last = words[owner[pos]], words[owner[pos + len(text) - 1]]
-            tokens.append(_Token(text, first.start, last.end))
+            cuts = [0] + [c for c in range(1, len(text)) if owner[pos + c] != owner[pos + c - 1]
+                          and _unspaced(text[c - 1]) and _unspaced(text[c])] + [len(text)]
+            for a, b in zip(cuts, cuts[1:]):
+                first, last = words[owner[pos + a]], words[owner[pos + b - 1]]
+                tokens.append(_Token(text[a:b], first.start, last.end, glued=a > 0))
             pos += len(text)
         out.append(tokens)
     return out if pos == len(chars) else None
@@ -89,17 +119,17 @@ def _timed_tokens(segments, words) -> list[list[_Token]] | None:
 def _cut(tokens: list[_Token]) -> list[list[_Token]]:
     """Split a segment's tokens into cues that fit: the fewest cues, then the least sum of
     `_cost` (dynamic programming over cut points). A cue of tokens[j:i] fits when it holds at
-    most MAX_CUE_CHARS characters and MAX_CUE_SECONDS seconds and its words wrap into lines of
+    most MAX_CUE_CHARS columns and MAX_CUE_SECONDS seconds and its words wrap into lines of
     MAX_LINE_CHARS (84 characters of uneven words can need a 43-character line). A single
     token that does not fit on its own is a cue by itself. Linear in the tokens: a cue spans
     a few dozen of them at most, and prefix sums price each candidate in O(1)."""
     n = len(tokens)
-    ends = [0]  # ends[i]: characters of tokens[:i], one space after each
+    ends = [0]  # ends[i]: columns of tokens[:i], each with the space before it (if not glued)
     for t in tokens:
-        ends.append(ends[-1] + len(t.text) + 1)
+        ends.append(ends[-1] + t.columns + (0 if t.glued else 1))
 
-    def width(j: int, i: int) -> int:  # tokens[j:i] on one line
-        return ends[i] - ends[j] - 1
+    def width(j: int, i: int) -> int:  # tokens[j:i] on one line (no space before the first)
+        return ends[i] - ends[j] - (0 if tokens[j].glued else 1)
 
     best = [(0, 0.0)] + [(n + 1, 0.0)] * n  # (cues, cost) of the best split of tokens[:i]
     back = [0] * (n + 1)
@@ -132,13 +162,14 @@ def _cost(last_token: str, fill: float, last: bool) -> float:
     return (1.0 - min(fill, 1.0)) ** 2 - bonus
 
 
-def wrap(tokens: list[str]) -> tuple[str, ...]:
-    """A cue's text as lines: one line if it fits MAX_LINE_CHARS, else two split at the space
-    that makes the longer line shortest (a cue holds at most MAX_CUE_CHARS, so both fit
-    unless a single word is longer than a line)."""
-    text = " ".join(tokens)
-    if len(text) <= MAX_LINE_CHARS or len(tokens) < 2:
-        return (text,)
+def wrap(tokens: list[_Token]) -> tuple[str, ...]:
+    """A cue's text as lines: one line if it fits MAX_LINE_CHARS columns, else two split
+    between the tokens where the longer line is shortest (a cue holds at most MAX_CUE_CHARS,
+    so both fit unless a single word is longer than a line)."""
+    cols = [t.columns + (0 if t.glued or i == 0 else 1) for i, t in enumerate(tokens)]
+    if sum(cols) <= MAX_LINE_CHARS or len(tokens) < 2:
+        return (_join(tokens),)
+    # Line two drops the space before its first token: cols[k] - 1 unless that one is glued.
     k = min(range(1, len(tokens)),
-            key=lambda k: max(len(" ".join(tokens[:k])), len(" ".join(tokens[k:]))))
-    return (" ".join(tokens[:k]), " ".join(tokens[k:]))
+            key=lambda k: max(sum(cols[:k]), sum(cols[k:]) - (0 if tokens[k].glued else 1)))
+    return (_join(tokens[:k]), _join(tokens[k:]))
