@@ -140,3 +140,32 @@ def test_shards_partition_the_inputs(tmp_path):
     for bad in ("4/3", "0/2", "1/0", "a/b", "1-2"):
         with pytest.raises(ValueError, match="--shard"):
             parse_shard(bad)
+
+
+def test_segments_of_a_file_fail_rather_than_be_transcribed_whole(tmp_path):
+    """NeMo manifests cut long recordings with `offset` + `duration`; each such line fails
+    with the reason, the `offset: 0` segment of the same file too, and whole files with an
+    `offset` of 0 are read as usual."""
+    _touch(tmp_path / "long.flac")
+    _touch(tmp_path / "whole.flac")
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"audio_filepath": "long.flac", "offset": 0, "duration": 15.0, "text": "ONE"},
+        {"audio_filepath": "long.flac", "offset": 15.5, "duration": 12.6, "text": "TWO"},
+        {"audio_filepath": "whole.flac", "offset": 0.0, "duration": 3.0, "text": "ALL"},
+    ]))
+    one, two, whole = read_manifest(m)
+    assert "other lines name segments of long.flac" in one.problem and "not supported" in one.problem
+    assert two.problem.startswith(f"{m.resolve()}:2: offset 15.5: segments of a file")
+    assert whole.problem is None and whole.reference == "ALL"
+    (failed, ok) = discover([str(m)])  # one line per audio file
+    assert failed.path.name == "long.flac" and failed.problem and ok.problem is None
+
+
+def test_an_extension_kept_for_a_shared_stem_never_meets_another_files_stem(tmp_path):
+    """`a.flac` and `a.wav` keep their extensions (`a.flac`, `a.wav`), and `a.flac.mp3`'s own
+    stem would be `a.flac`: it keeps its full name too, so no output overwrites another."""
+    for name in ("a.flac", "a.wav", "a.flac.mp3", "b.wav"):
+        _touch(tmp_path / name)
+    stems = output_stems(discover([str(tmp_path)]))
+    assert sorted(map(str, stems.values())) == ["a.flac", "a.flac.mp3", "a.wav", "b"]

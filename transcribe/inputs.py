@@ -19,6 +19,13 @@ AUDIO_EXTENSIONS = frozenset(
 MANIFEST_EXTENSIONS = frozenset({".jsonl", ".json"})
 
 
+# NeMo reads `duration` seconds from a line's `offset`: a segment of the file. Transcribing the
+# whole file instead would score it against one segment's text and fold every line naming that
+# file into one, so these lines fail with the reason (`read_manifest`).
+_SEGMENT_TAIL = "segments of a file (offset and duration) are not supported; cut them into files of their own"
+SEGMENT_LINE = "offset {offset!r}: " + _SEGMENT_TAIL
+
+
 class InputError(ValueError):
     """An input argument that names nothing we can transcribe (a usage problem, exit 1)."""
 
@@ -123,7 +130,11 @@ def read_manifest(path: Path) -> list[InputFile]:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
                 out.append(_manifest_entry(raw, manifest, lineno))
-    return out
+    # A file cut into segments fails on every line, its `offset: 0` one too (NeMo's first
+    # segment), rather than be transcribed whole as that line's.
+    segmented = {f.path for f in out if f.problem is not None and f.problem.endswith(_SEGMENT_TAIL)}
+    return [replace(f, problem=f"{manifest}: other lines name segments of {f.path.name}: {_SEGMENT_TAIL}")
+            if f.path in segmented and f.problem is None else f for f in out]
 
 
 def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
@@ -151,6 +162,8 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
     except ValueError:
         rel = Path(full.name)
     text, dur = row.get("text"), row.get("duration")
+    if row.get("offset") not in (None, 0, 0.0):
+        return broken(SEGMENT_LINE.format(offset=row["offset"]), full)
     if text is not None and not isinstance(text, str):
         return broken(f"text {text!r} is not a string", full)
     if dur is not None and not (type(dur) in (int, float) and math.isfinite(dur) and dur >= 0):
@@ -166,7 +179,17 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
     that `discover` has named keeps that name (a shard's files are named as the whole run's).
     """
     stems = Counter(f.rel.with_suffix("") for f in files if f.problem is None)
-    return {f.path: f.stem or (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
+    out = {f.path: f.stem or (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
+    # `a.flac` keeping its extension can meet another file's own stem (`a.flac.mp3` -> `a.flac`):
+    # those keep their full name too, until every name is distinct.
+    while True:
+        taken = Counter(out[f.path] for f in files if f.problem is None and f.stem is None)
+        clash = [f for f in files if f.problem is None and f.stem is None and taken[out[f.path]] > 1
+                 and out[f.path] != f.rel]
+        if not clash:
+            return out
+        for f in clash:
+            out[f.path] = f.rel
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
