@@ -268,9 +268,10 @@ class _Job:
         if f.expected is None or len(f.pieces) < f.expected:
             return
         parts = [f.pieces[k] for k in range(f.expected)]
-        result = stitch([r for _, r in parts], [o for o, _ in parts])
+        seconds = f.samples / self.engine.sample_rate
+        result = stitch([r for _, r in parts], [o for o, _ in parts], seconds)
         del self.files[fid]
-        self.outputs.finished(f.file, result, f.samples / self.engine.sample_rate)
+        self.outputs.finished(f.file, result, seconds)
 
     def _fail(self, fid: int, error: str) -> None:
         self.outputs.fail(self.files.pop(fid).file, error)

@@ -20,16 +20,18 @@ def shift(result: Result, offset: float, until: float = math.inf) -> Result:
     )
 
 
-def stitch(parts: list[Result], offsets: list[float]) -> Result:
-    """One Result for a whole file from its pieces (in order) and their start offsets (s).
+def stitch(parts: list[Result], offsets: list[float], duration: float = math.inf) -> Result:
+    """One Result for a whole file from its pieces (in order), their start offsets (s) and the
+    file's duration (s).
 
-    A piece's times end where the next piece begins: a transducer's last token can end a few
-    frames past its piece's audio (its TDT duration, the 80 ms frame grid), which would
-    overlap the next piece's first word and subtitle cue. The last piece keeps its times, as
-    a single piece does (NeMo's times for a whole file)."""
+    A piece's times end where the next piece begins, and the last piece's at the end of the
+    file: a transducer's last token can end a few frames past its audio (its TDT duration, the
+    80 ms frame grid), which would overlap the next piece's first word and subtitle cue, or
+    run past the file (NeMo's word times do, on every fixture file but RNN-T's: up to 0.3 s).
+    Times inside the audio are NeMo's, unchanged."""
     if len(parts) == 1:
-        return shift(parts[0], offsets[0])
-    moved = [shift(p, o, until) for p, o, until in zip(parts, offsets, [*offsets[1:], math.inf])]
+        return shift(parts[0], offsets[0], duration)
+    moved = [shift(p, o, until) for p, o, until in zip(parts, offsets, [*offsets[1:], duration])]
     return replace(
         moved[0],
         text=" ".join(p.text.strip() for p in moved if p.text.strip()),
