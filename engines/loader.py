@@ -69,6 +69,10 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     en) and `task` (transcribe, or translate into English) are Whisper's; Parakeet models take
     no language (v2 is English, v3 finds the language itself) and only transcribe."""
     name = choose_model(model)
+    if name not in REGISTRY and name not in WHISPER_NAMES and Path(name).expanduser().exists():
+        # A path names the model by where it is, however it was typed: results.jsonl records
+        # it and a rerun compares it (`m.nemo` from two folders is two models).
+        name = os.path.abspath(Path(name).expanduser())
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
     if whisper and encoder_backend not in ("auto", "torch"):

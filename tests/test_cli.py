@@ -101,6 +101,23 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
 
 
 @needs_shared
+def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another_model(tmp_path):
+    """`--model m.nemo` typed in two folders names two checkpoints: the second run must not
+    keep the first one's transcripts as done."""
+    a, b = Reference("tdt_tiny"), Reference("rnnt_tiny")
+    for folder, ref in (("ma", a), ("mb", b)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.nemo").write_bytes(ref.nemo.read_bytes())
+    audio, out = a.audio_path(0), tmp_path / "out"
+    first = run_cli(str(audio), "--model", "m.nemo", "--out", str(out), cwd=tmp_path / "ma")
+    assert first.returncode == 0, first.stderr
+    second = run_cli(str(audio), "--model", "m.nemo", "--out", str(out), cwd=tmp_path / "mb")
+    assert second.returncode == 0 and "0 already done" in second.stderr, second.stderr
+    (row,) = map(json.loads, (out / "results.jsonl").read_text().splitlines())
+    assert row["model"] == str(tmp_path / "mb" / "m.nemo") and row["text"] == b.files[0]["transcribe_text"]
+
+
+@needs_shared
 def test_broken_manifest_lines_fail_alone_and_the_rest_is_transcribed(tmp_path):
     """A 100,000-line manifest with one bad line must not lose the night's run: the bad lines
     fail in results.jsonl with the manifest, line and reason, the good ones are transcribed."""
