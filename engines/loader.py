@@ -19,6 +19,11 @@ WHISPER_NAMES = ("whisper-base",)
 WHISPER_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 
 
+class OptionError(ValueError):
+    """An option the chosen model does not take (--language or --task for Parakeet, an encoder
+    backend for Whisper): the user's to change, a usage error."""
+
+
 def is_whisper_path(model: str) -> bool:
     """A local Whisper checkpoint: OpenAI .pt, safetensors, CT2 model.bin, or a folder of those."""
     p = Path(model)
@@ -76,14 +81,14 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     entry = REGISTRY.get(name)
     whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
     if whisper and encoder_backend not in ("auto", "torch"):
-        raise ValueError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
+        raise OptionError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
     if not whisper and task != "transcribe":
-        raise ValueError(f"--task {task} is for Whisper models; {name} (Parakeet) only transcribes")
+        raise OptionError(f"--task {task} is for Whisper models; {name} (Parakeet) only transcribes")
     if not whisper and language is not None:
-        raise ValueError(f"--language is for Whisper models; {name} (Parakeet) takes no language "
+        raise OptionError(f"--language is for Whisper models; {name} (Parakeet) takes no language "
                          "(English-only models, or, like parakeet-tdt-0.6b-v3, finding it themselves)")
     if whisper and features_on not in ("auto", "workers"):
-        raise ValueError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
+        raise OptionError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
                          "features in the workers")
     if name in WHISPER_NAMES:
         from engines.whisper_engine import WhisperEngine

@@ -216,6 +216,21 @@ def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
 
 
 @needs_shared
+def test_option_values_no_model_takes_are_usage_errors(tmp_path):
+    """A value that is no device, task or language code, or a Whisper option given to a
+    Parakeet model, exits 2 (usage) before any work, like a bad --dtype."""
+    ref = Reference("tdt_tiny")
+    audio, out = str(ref.audio_path(0)), str(tmp_path / "x")
+    for flags, says in ((("--device", "tpu"), "expected auto, cpu, cuda or cuda:N"),
+                        (("--task", "summarise"), "expected transcribe or translate"),
+                        (("--language", "klingon"), "expected a language code"),
+                        (("--language", "DE"), "--language is for Whisper models"),
+                        (("--task", "translate"), "--task translate is for Whisper models")):
+        p = run_cli(audio, "--model", str(ref.nemo), "--out", out, *flags)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (flags, p.stderr)
+
+
+@needs_shared
 def test_encoder_backend_and_decoder_mode_options(tmp_path):
     """Bad names are usage errors; a graph decoder mode on the CPU falls back to eager (said
     once on stderr) with NeMo's transcript; a GPU-only encoder backend on the CPU is refused."""

@@ -8,6 +8,7 @@ shell reports it), with every file finished so far written; rerunning the comman
 """
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 import time
@@ -69,7 +70,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     --language, --task. `outputs`: (folder, option) pairs that must be writable, checked once
     the inputs are known and before the model loads (None: not given)."""
     from engines.checkpoint import CheckpointError
-    from engines.loader import load_engine
+    from engines.loader import OptionError, load_engine
     from transcribe.inputs import InputError, discover, parse_shard, shard
     from transcribe.workers import Prespawned, default_workers
     from engines.decode_graphs import DecodeMode
@@ -87,6 +88,14 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
         raise _fail(f"--features-on {features_on!r}: expected one of {', '.join(FEATURES_ON)}", EXIT_USAGE)
     if dtype not in DTYPE_CHOICES:
         raise _fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise _fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)
+    if task not in ("transcribe", "translate"):
+        raise _fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
+    if language is not None:
+        language = language.lower()  # codes are lower case: EN means en
+        if not re.fullmatch(r"auto|[a-z]{2,3}", language):
+            raise _fail(f"--language {language!r}: expected a language code (en, de, yue, ...) or auto", EXIT_USAGE)
     options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
     try:
         part = parse_shard(shard_spec) if shard_spec else None
@@ -108,6 +117,8 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     try:
         engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
                              word_timestamps=words, language=language, task=task)
+    except OptionError as e:  # an option this model does not take (--language for Parakeet)
+        raise _fail(str(e), EXIT_USAGE)
     except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
         raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
     finally:
