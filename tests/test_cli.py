@@ -297,7 +297,13 @@ def test_shards_with_workers_merge_into_one_log(tmp_path):
         p = run_cli(*files, "--model", str(ref.nemo), "--out", str(tmp_path / f"s{i}"), "--shard", f"{i}/2",
                     "--workers", str(i), "--format", "txt")
         assert p.returncode == 0, p.stderr
-    p = run_cli("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "all"))
+    # An array job with more tasks than files: the empty shard succeeds without loading the
+    # model and leaves an empty log, so the merge of every shard's folder works.
+    p = run_cli(*files, "--model", str(tmp_path / "never-loaded.nemo"), "--out", str(tmp_path / "s9"),
+                "--shard", "9/9")
+    assert p.returncode == 0 and "shard 9/9 has no files (4 files in 9 shards)" in p.stderr, p.stderr
+    assert (tmp_path / "s9" / "results.jsonl").read_text() == ""
+    p = run_cli("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), str(tmp_path / "s9"), "--out", str(tmp_path / "all"))
     assert p.returncode == 0, p.stderr
     rows = [json.loads(l) for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()]
     assert sorted(r["audio_filepath"] for r in rows) == sorted(files)

@@ -83,6 +83,13 @@ def test_a_manifest_line_that_cannot_be_read_fails_alone_with_its_line_and_reaso
 def test_a_missing_input_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         discover([str(tmp_path / "nothing")])
+    # Audio files that all do not exist (a shell glob that matched nothing) are no inputs;
+    # one missing among others fails alone in results.jsonl.
+    with pytest.raises(InputError, match=r"\*\.wav: no such file"):
+        discover([str(tmp_path / "*.wav")])
+    _touch(tmp_path / "here.wav")
+    assert [f.path.name for f in discover([str(tmp_path / "gone.wav"), str(tmp_path / "here.wav")])] == [
+        "gone.wav", "here.wav"]
 
 
 def test_links_back_up_the_tree_are_walked_once(tmp_path):

@@ -103,14 +103,18 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
         raise _fail(str(e), EXIT_USAGE)
 
     try:
-        files = shard(discover(inputs), part)
+        found = discover(inputs)
     except InputError as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
-    if not files:
+    if not found:
         raise _fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
+    files = shard(found, part)
     for folder, option in outputs:
         if folder is not None:
             _writable_folder(folder, option)
+    if not files:  # more shards than files (an array job sized for a bigger set): no model needed
+        typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
+        return files, None, 0.0, None
     t0 = time.perf_counter()
     spares = Prespawned(workers or default_workers())
     engine = None
@@ -162,6 +166,9 @@ def transcribe(
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words=needs_words(formats), language=language,
                                         task=task, outputs=((out, "--out"),))
+    if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
+        (out / "results.jsonl").touch()
+        raise typer.Exit(EXIT_OK)
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares))

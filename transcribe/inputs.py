@@ -52,6 +52,7 @@ class InputFile:
 def discover(inputs: list[str]) -> list[InputFile]:
     """All audio files named by `inputs`, in a stable order, each once."""
     found: list[InputFile] = []
+    missing: list[str] = []
     for arg in inputs:
         p = Path(arg).expanduser()
         if p.is_dir():
@@ -59,10 +60,15 @@ def discover(inputs: list[str]) -> list[InputFile]:
         elif p.suffix.lower() in MANIFEST_EXTENSIONS and p.is_file():
             found.extend(read_manifest(p))
         elif p.exists() or p.suffix.lower() in AUDIO_EXTENSIONS:
-            # A missing audio file is still an input: it fails with a reason in results.jsonl.
+            # A missing audio file among others is still an input: it fails with a reason in
+            # results.jsonl (a file list from yesterday, one since deleted).
             found.append(InputFile(p.resolve(), Path(p.name)))
+            if not p.exists():
+                missing.append(arg)
         else:
             raise InputError(f"{arg}: no such file or directory")
+    if missing and len(missing) == len(found):  # nothing at all to transcribe (a glob that matched nothing)
+        raise InputError(f"{', '.join(missing)}: no such file or directory")
     seen: set[Path] = set()
     unique = _distinct_rels([f for f in found if not (f.path in seen or seen.add(f.path))])
     # Output names pinned over all the inputs, before any --shard takes its part of them.
