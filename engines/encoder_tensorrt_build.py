@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from engines.encoder_backend import BucketProfile
-from transcribe.writers import atomic_write_bytes  # the one atomic write (temp, fsync, rename)
+from transcribe.writers import FILE_MODE, atomic_write_bytes  # the one atomic write (temp, fsync, rename)
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 ENGINE_FORMAT = 1  # bump when the export or the build recipe changes: old entries then miss
@@ -121,6 +121,7 @@ def export_onnx(nemo_path: str | os.PathLike, out: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         export_encoder(encoder, tmp, opset=OPSET)
+        os.chmod(tmp, FILE_MODE)  # mkstemp's 0600 would keep the file from a shared engine cache's users
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -249,6 +249,10 @@ def test_export_engine_onnx_only_matches_torch(tmp_path):
     p = _cli("--model", str(ref.nemo), "--onnx-only", "--onnx", str(out), "--cache-dir", str(tmp_path / "c"))
     assert p.returncode == 0, p.stderr
     assert str(out) in p.stderr and [x.name for x in tmp_path.iterdir() if x.name.startswith(".")] == []
+    from transcribe.writers import FILE_MODE
+    assert out.stat().st_mode & 0o777 == FILE_MODE  # as readable as any file the user writes, not mkstemp's 0600
+    p = _cli("--model", str(ref.nemo), "--onnx-only", "--onnx", str(tmp_path))  # a folder: refused up front
+    assert p.returncode == 2 and "names a folder, not a file" in p.stderr
     engine = ParakeetEngine.from_nemo(ref.nemo, "cpu")
     feats, flen = engine._batch(_features(engine, ref))
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])

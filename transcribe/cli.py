@@ -57,6 +57,13 @@ def _writable_folder(folder: Path, option: str) -> None:
         raise _fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
 
 
+def _file_path(path: Optional[Path], option: str) -> None:
+    """A --json or --onnx that names a folder (or nothing) is a usage error, found before the
+    run rather than when its report is written at the end."""
+    if path is not None and (path.is_dir() or not path.name):
+        raise _fail(f"{option} {str(path) or repr('')}: names a folder, not a file", EXIT_USAGE)
+
+
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
@@ -200,6 +207,7 @@ def bench(
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
+    _file_path(json_path, "--json")
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
@@ -330,6 +338,7 @@ def export_engine_cmd(
 ) -> None:
     from transcribe.export_engine import ExportError, ExportRequest, export_engine
 
+    _file_path(onnx, "--onnx")
     try:
         req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, max_batch, batch_seconds)
     except ValueError as e:
