@@ -80,6 +80,17 @@ def test_results_log_drops_a_partial_last_line(tmp_path):
     assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/c"]
 
 
+def test_damaged_results_lines_are_skipped_with_a_note(tmp_path, capsys):
+    """A log edited by hand or damaged on disk must not stop a rerun or a merge with a
+    traceback: lines that are not records are skipped, naming the file and line."""
+    p = tmp_path / "results.jsonl"
+    p.write_bytes(b'{"audio_filepath": "/a", "status": "ok"}\ngarbage line\n[1, 2]\n{"status": "ok"}\n'
+                  b'\xff\xfe\n{"audio_filepath": "/b", "status": "ok"}\n')
+    assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/b"]
+    err = capsys.readouterr().err
+    assert all(f"{p}:{n}: not a results record, skipped" in err for n in (2, 3, 4, 5))
+
+
 def test_staged_writes_appear_together_at_commit_and_fail_by_key(tmp_path, monkeypatch):
     """Staged files are invisible (the old ones intact) until `commit()`, which renames them
     into place; a key whose file cannot be renamed fails alone; a full disk at fsync removes
@@ -122,8 +133,8 @@ def test_results_log_lines_are_flushed_at_once_and_synced_on_request(tmp_path, m
     synced = []
     monkeypatch.setattr(writers.os, "fsync", lambda fd: synced.append(fd))
     with ResultsLog(tmp_path / "results.jsonl") as log:
-        log.append({"n": 1})
-        log.append({"n": 2})
+        log.append({"audio_filepath": "/a", "n": 1})
+        log.append({"audio_filepath": "/b", "n": 2})
         assert [r["n"] for r in read_results(tmp_path / "results.jsonl")] == [1, 2]  # a reader sees them now
         assert synced == []
         log.sync()

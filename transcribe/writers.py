@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -276,8 +277,18 @@ def read_results(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n") and line.strip():
-                out.append(json.loads(line))
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not (raw.endswith(b"\n") and raw.strip()):
+                continue  # a blank line, or a last line a killed run left half written
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+                record = None
+            if not (isinstance(record, dict) and isinstance(record.get("audio_filepath"), str)):
+                # Edited by hand or damaged on disk: a note, and its file, with no line that
+                # says it is done, is done again.
+                print(f"note: {path}:{lineno}: not a results record, skipped", file=sys.stderr)
+                continue
+            out.append(record)
     return out
