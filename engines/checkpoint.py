@@ -148,8 +148,9 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
         return p
     entry = REGISTRY.get(model)
     if entry is None:
-        known = ", ".join(sorted(REGISTRY))
-        raise CheckpointError(f"unknown model {model!r}: pass a .nemo path or one of: {known}")
+        known = ", ".join(sorted([*REGISTRY, "whisper-base"]))  # whisper-base: bundled (engines.loader)
+        raise CheckpointError(f"unknown model {model!r}: pass a .nemo path or one of: {known} "
+                              "(`transcribe models` says where each comes from)")
     return _hf_download(entry, offline=offline, timeout_s=timeout_s)
 
 

@@ -313,6 +313,7 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert busy.returncode == 1, busy.stderr
         assert f"in use by another transcribe run (pid {os.getpid()})" in busy.stderr
+        assert "model:" not in busy.stderr  # found before the model loads (minutes for a big one)
         assert (out / ".f00.txt.abcd1234.tmp").exists() and not (out / "results.jsonl").exists()
         (tmp_path / "shard").mkdir()
         (tmp_path / "shard" / "results.jsonl").write_text("")
@@ -400,16 +401,18 @@ def test_killed_runs_resume_with_one_line_per_file_and_redo_nothing(tmp_path):
     _assert_clean(out)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code):
+@pytest.mark.parametrize("sig, code, force", [(signal.SIGTERM, 143, ()), (signal.SIGINT, 130, ("--force",))])
+def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code, force):
     inp, out = tmp_path / "in", tmp_path / "out"
     _copies(inp, N_JOB)
-    p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10")
+    p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10", *force)
     _wait_lines(p, out, 2)
     pids = _descendants(p.pid)
     p.send_signal(sig)
     _, stderr = p.communicate(timeout=60)
     assert p.returncode == code, stderr
     assert "interrupted" in stderr and 2 <= len(_rows(out)) < N_JOB
+    # The same command resumes; with --force it would redo everything, so the note says so.
+    assert ("run it again without --force to resume" if force else "run the same command again to resume") in stderr
     assert all(r["status"] == "ok" for r in _rows(out))
     _assert_clean(out, pids)

@@ -49,7 +49,7 @@ def test_registry_name_resolves_from_a_prefilled_cache_offline(hf_cache):
     assert resolve_checkpoint("parakeet-tdt-0.6b-v2").resolve() == want.resolve()
     with pytest.raises(CheckpointError, match="not in the Hugging Face cache and offline"):
         resolve_checkpoint("parakeet-tdt-0.6b-v3")
-    with pytest.raises(CheckpointError, match="unknown model 'nope'"):
+    with pytest.raises(CheckpointError, match="unknown model 'nope'.*parakeet-tdt-0.6b-v2.*whisper-base, whisper-base.en"):
         resolve_checkpoint("nope")
 
 

@@ -52,9 +52,18 @@ def _writable_folder(folder: Path, option: str) -> None:
             pass
     except OSError as e:
         raise _fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
+    if option != "--out":
+        return
+    from transcribe.resume import OutputBusy, out_dir_lock
+
     log = folder / "results.jsonl"  # every --out holds one, appended to as files finish
-    if option == "--out" and log.exists() and not log.is_file():
+    if log.exists() and not log.is_file():
         raise _fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
+    try:  # another run writing there (an overlapping cron job) is found before a model loads for nothing
+        with out_dir_lock(folder):
+            pass
+    except OutputBusy as e:
+        raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
 
 
 def _file_path(path: Optional[Path], option: str) -> None:
@@ -178,7 +187,9 @@ def transcribe(
         raise typer.Exit(EXIT_OK)
     with spares:
         stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
-                                           workers=workers, progress=progress, prespawned=spares))
+                                           workers=workers, progress=progress, prespawned=spares),
+                               "run it again without --force to resume" if force else
+                               "run the same command again to resume")
     wall = time.perf_counter() - t0
     rtfx = stats.audio_seconds / wall if wall > 0 else 0.0
     typer.echo(
@@ -216,7 +227,8 @@ def bench(
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
-                                           workers=workers, progress=False, prespawned=spares))
+                                           workers=workers, progress=False, prespawned=spares),
+                               "a bench measures the whole run: run it again")
         report = build_report(stats, files, engine.name, engine.device, load_s, time.perf_counter() - t0)
     if json_path is not None:
         write_report(report, json_path)
@@ -254,8 +266,9 @@ def merge(
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
 
 
-def _interruptible(job):
-    """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up."""
+def _interruptible(job, then: str = "run the same command again to resume"):
+    """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up,
+    saying `then`: what a rerun does."""
     from transcribe.output_writer import OutputStopped
     from transcribe.pipeline import Interrupted
     from transcribe.resume import OutputBusy
@@ -265,7 +278,7 @@ def _interruptible(job):
     try:
         return job()
     except Interrupted as e:
-        typer.echo(f"interrupted by {e}: finished files are written; run the same command again to resume", err=True)
+        typer.echo(f"interrupted by {e}: finished files are written; {then}", err=True)
         raise typer.Exit(128 + e.signum)
     except (WorkerStartError, SharedMemoryTooSmall) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
