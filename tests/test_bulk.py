@@ -128,7 +128,7 @@ def _bad_inputs(inp: Path) -> dict[str, str]:
              "truncated.flac": "lost sync", "truncated.wav": "truncated", "no_samples.wav": "no audio samples",
              "rate_2k.wav": "sample rate 2000", "channels_65.wav": "channel count 65", "short.wav": "too short",
              "nan.wav": "NaN", "clip.m4a": "av" if _no_av() else "not a readable audio file",
-             "nowhere.wav": "no such file"}  # discover() resolves the broken link gone.wav
+             "gone.wav": "no such file"}  # a broken link, logged under its own name
     if os.geteuid() != 0:  # root reads anything
         locked = inp / "locked.flac"
         locked.write_bytes(flac)

@@ -176,3 +176,20 @@ def test_an_extension_kept_for_a_shared_stem_never_meets_another_files_stem(tmp_
         _touch(tmp_path / name)
     stems = output_stems(discover([str(tmp_path)]))
     assert sorted(map(str, stems.values())) == ["a.flac", "a.flac.mp3", "a.wav", "b"]
+
+
+def test_linked_files_and_folders_keep_the_names_the_user_gave(tmp_path):
+    """A dataset of links (git-annex, the Hugging Face cache: `snap/utt1.flac -> ../blobs/5f3a`)
+    is listed under the links' names, which its outputs carry too; a manifest's relative path
+    through a linked folder keeps that folder in its output name."""
+    blob = _touch(tmp_path / "blobs" / "5f3a9c")
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "utt1.flac").symlink_to(blob)
+    (f,) = discover([str(tmp_path / "snap")])
+    assert f.path == tmp_path / "snap" / "utt1.flac" and f.stem == Path("utt1")
+    (tmp_path / "ml").mkdir()
+    (tmp_path / "ml" / "data").symlink_to(tmp_path / "snap")
+    m = tmp_path / "ml" / "m.jsonl"
+    m.write_text(json.dumps({"audio_filepath": "data/utt1.flac"}) + "\n")
+    (f,) = discover([str(m)])
+    assert f.path == tmp_path / "ml" / "data" / "utt1.flac" and f.stem == Path("data/utt1")

@@ -49,6 +49,14 @@ class InputFile:
     stem: Path | None = None
 
 
+def absolute(path: Path) -> Path:
+    """`path` made absolute without following links: results.jsonl names a file as the user
+    does (a dataset of links, git-annex or the Hugging Face cache, would otherwise be logged
+    under blob names its outputs do not have), and a manifest's `data/x.flac` through a linked
+    `data/` keeps its folders in the output name."""
+    return Path(os.path.abspath(path))
+
+
 def discover(inputs: list[str]) -> list[InputFile]:
     """All audio files named by `inputs`, in a stable order, each once."""
     found: list[InputFile] = []
@@ -62,7 +70,7 @@ def discover(inputs: list[str]) -> list[InputFile]:
         elif p.exists() or p.suffix.lower() in AUDIO_EXTENSIONS:
             # A missing audio file among others is still an input: it fails with a reason in
             # results.jsonl (a file list from yesterday, one since deleted).
-            found.append(InputFile(p.resolve(), Path(p.name)))
+            found.append(InputFile(absolute(p), Path(p.name)))
             if not p.exists():
                 missing.append(arg)
         else:
@@ -119,7 +127,7 @@ def _walk(root: Path) -> list[InputFile]:
         for name in sorted(filenames):
             if Path(name).suffix.lower() in AUDIO_EXTENSIONS and not name.startswith("."):
                 full = Path(dirpath) / name
-                out.append(InputFile(full.resolve(), full.relative_to(root)))
+                out.append(InputFile(absolute(full), full.relative_to(root)))
     return out
 
 
@@ -130,7 +138,7 @@ def read_manifest(path: Path) -> list[InputFile]:
     A line that cannot be read does not stop the job: it becomes an input that fails with the
     reason (`InputFile.problem`), under its audio path if it names one, else under
     `MANIFEST:LINE`, so it shows in results.jsonl and the run exits 3 with the rest done."""
-    manifest = path.resolve()
+    manifest = absolute(path)
     out = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -162,7 +170,7 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
     if not isinstance(audio, str) or not audio.strip():
         return broken("no audio_filepath" if audio is None else f"audio_filepath {audio!r} is not a path")
     audio_path = Path(audio).expanduser()
-    full = (audio_path if audio_path.is_absolute() else base / audio_path).resolve()
+    full = absolute(audio_path if audio_path.is_absolute() else base / audio_path)
     try:
         rel = full.relative_to(base)
     except ValueError:
