@@ -73,6 +73,28 @@ def _file_path(path: Optional[Path], option: str) -> None:
         raise _fail(f"{option} {str(path) or repr('')}: names a folder, not a file", EXIT_USAGE)
 
 
+def _check_runtime(device: str, dtype: str) -> None:
+    """--device and --dtype name something that exists (whether this machine has it is the
+    model loader's to say)."""
+    from engines.precision import DTYPE_CHOICES
+
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise _fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)
+    if dtype not in DTYPE_CHOICES:
+        raise _fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
+
+
+def _check_streaming(chunk_ms: Optional[float], left_ms: Optional[float], right_ms: Optional[float]) -> None:
+    """The chunking options of `stream` and `serve`: finite, chunks longer than nothing."""
+    import math
+
+    for option, value, least in (("--chunk-ms", chunk_ms, 1e-9), ("--left-context-ms", left_ms, 0.0),
+                                 ("--right-context-ms", right_ms, 0.0)):
+        if value is not None and not (math.isfinite(value) and value >= least):
+            need = "> 0" if least else ">= 0"
+            raise _fail(f"{option} {value}: expected a number of milliseconds {need}", EXIT_USAGE)
+
+
 def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
@@ -92,7 +114,6 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     from engines.decode_graphs import DecodeMode
     from engines.encoder_backend import BACKENDS
     from engines.encoder_backend import BackendOptions
-    from engines.precision import DTYPE_CHOICES
     from transcribe.audio_frontend import FEATURES_ON
 
     if encoder_backend not in BACKENDS:
@@ -102,10 +123,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
                     EXIT_USAGE)
     if features_on not in FEATURES_ON:
         raise _fail(f"--features-on {features_on!r}: expected one of {', '.join(FEATURES_ON)}", EXIT_USAGE)
-    if dtype not in DTYPE_CHOICES:
-        raise _fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise _fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)
+    _check_runtime(device, dtype)
     if task not in ("transcribe", "translate"):
         raise _fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
     if language is not None:
@@ -303,6 +321,7 @@ def stream(
     from transcribe.audio import AudioError
     from transcribe.streaming.cli_commands import stream_file
 
+    _check_streaming(chunk_ms, left_ms, right_ms)
     try:
         summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
                               chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
@@ -316,11 +335,11 @@ def stream(
 def serve(
     model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8765, "--port"),
+    port: int = typer.Option(8765, "--port", min=0, max=65535),
     max_streams: int = typer.Option(16, "--max-streams", min=1, help="Cache slots: streams decoded at once."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Clients queued for a slot before 'busy'."),
-    idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", help="Drop a silent client after this many seconds."),
-    ws_port: Optional[int] = typer.Option(None, "--ws-port", help="Also serve the protocol over WebSocket on this port (default: off)."),
+    idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", min=0.1, help="Drop a silent client after this many seconds."),
+    ws_port: Optional[int] = typer.Option(None, "--ws-port", min=0, max=65535, help="Also serve the protocol over WebSocket on this port (default: off)."),
     chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
@@ -330,12 +349,15 @@ def serve(
     from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
 
+    _check_runtime(device, dtype)
+    _check_streaming(chunk_ms, left_ms, right_ms)
     try:
-        run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
-                   idle_timeout_s=idle_timeout_s, ws_port=ws_port, chunk_ms=chunk_ms, left_ms=left_ms,
-                   right_ms=right_ms, device=pick_device(device), dtype=dtype)
+        signum = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
+                            idle_timeout_s=idle_timeout_s, ws_port=ws_port, chunk_ms=chunk_ms, left_ms=left_ms,
+                            right_ms=right_ms, device=pick_device(device), dtype=dtype)
     except (ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
+    raise typer.Exit(128 + signum)  # stopped by SIGINT / SIGTERM, as the other commands report it
 
 
 @sub_app.command("export-engine", help="Build the TensorRT encoder engine for a model ahead of time (cached where "

@@ -46,10 +46,11 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
     realtime: feed audio at the pace it was recorded (else as fast as possible). Prints one
     line per chunk (`partial`/`final` text, or JSON lines with word times when `as_json`) and
     returns a summary: text, words, audio_seconds, wall_seconds, rtfx, steps, step latency (ms)."""
-    from transcribe.audio import load_audio
+    from transcribe.decode import AudioStream
 
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms)
-    audio = load_audio(path, sm.sample_rate)
+    with AudioStream(path, sm.sample_rate) as source:  # the offline decoder: same checks, PyAV for m4a
+        audio = np.concatenate(list(source.blocks()))
     sched = Scheduler(sm, SchedulerConfig(max_streams=1))
     session = sched.open(Path(path).name)
     piece = max(int(piece_ms * sm.sample_rate / 1000), 1)
@@ -94,15 +95,13 @@ def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) ->
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
           idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
-          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> None:
-    """Run the streaming server until interrupted (see transcribe/streaming/protocol.py): TCP on
-    `port`, and the same protocol over WebSocket on `ws_port` when given (None = no WebSocket).
-    chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None = defaults)."""
+          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> int:
+    """Run the streaming server until SIGINT / SIGTERM (see transcribe/streaming/protocol.py):
+    TCP on `port`, and the same protocol over WebSocket on `ws_port` when given (None = no
+    WebSocket). chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None =
+    defaults). Returns the signal that stopped it."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
                        max_waiting=max_waiting, idle_timeout_s=idle_timeout_s)
-    try:
-        asyncio.run(serve_forever(sm, cfg))
-    except KeyboardInterrupt:
-        pass
+    return asyncio.run(serve_forever(sm, cfg))

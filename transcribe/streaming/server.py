@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -127,6 +128,8 @@ class StreamServer:
         self.model, self.cfg = model, cfg
         self.scheduler = Scheduler(model, SchedulerConfig(cfg.max_streams, cfg.max_waiting))
         self._clients: dict[str, _Client] = {}
+        self._handlers: dict[asyncio.Task, _Client] = {}  # every connection, hello or not (for stop)
+        self._stopping = False
         self._wake = asyncio.Event()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stream-step")
         self._server: asyncio.base_events.Server | None = None
@@ -155,16 +158,24 @@ class StreamServer:
         self.ws_address = self._ws_server.sockets[0].getsockname()[:2]
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._server is not None:
             self._server.close()
         if self._ws_server is not None:
             self._ws_server.close()
         if self._engine is not None:
             self._engine.cancel()
-        for client in list(self._clients.values()):
+        # Every connection, with a stream or not yet, is aborted: its handler sees it close and
+        # returns. Cancelling the handlers instead makes asyncio's TCP callback log a
+        # CancelledError traceback (Python 3.11); only one still running after 5 s is.
+        for client in list(self._handlers.values()):
             self._drop(client)
         if self._ws_server is not None:  # its close runs in a task: let it finish on this loop
             await self._ws_server.wait_closed()
+        if self._handlers:
+            _, late = await asyncio.wait(self._handlers, timeout=5.0)
+            for task in late:
+                task.cancel()
         self._executor.shutdown(wait=True)
 
     # -- per connection -------------------------------------------------------------------
@@ -177,6 +188,11 @@ class StreamServer:
     async def _handle(self, transport: _Transport) -> None:
         client = _Client(transport, self.cfg.send_queue)
         sender = asyncio.create_task(self._sender(client))
+        handler = asyncio.current_task()
+        self._handlers[handler] = client
+        handler.add_done_callback(self._handlers.pop)
+        if self._stopping:
+            transport.abort()
         try:
             await self._serve(client)
         except P.ProtocolError as e:
@@ -185,9 +201,10 @@ class StreamServer:
             log.info("client disconnected")
         finally:
             self._close_session(client, failed=not client.final.is_set())
-            if not client.dropped and not client.out.full():
-                client.out.put_nowait(None)  # sender: flush what is queued, then stop
-            await asyncio.wait([sender], timeout=2.0)
+            if not client.dropped:  # a dropped client's connection is gone: nothing to flush
+                if not client.out.full():
+                    client.out.put_nowait(None)  # sender: flush what is queued, then stop
+                await asyncio.wait([sender], timeout=2.0)
             sender.cancel()
             await transport.close()
 
@@ -321,13 +338,25 @@ class StreamServer:
                 self._drop(client)
 
 
-async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> None:
+async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
+    """Serve until SIGINT or SIGTERM; returns that signal's number once every connection is
+    closed (their streams' slots freed) and every handler has finished, so a stop prints no
+    cancellation tracebacks."""
     server = StreamServer(model, cfg)
     host, port = await server.start()
-    log.warning("listening on %s:%d (max_streams=%d)", host, port, cfg.max_streams)
+    log.warning("listening on %s:%d (max_streams=%d)", _hostport(host), port, cfg.max_streams)
     if server.ws_address is not None:
-        log.warning("WebSocket on ws://%s:%d", *server.ws_address)
+        log.warning("WebSocket on ws://%s:%d", _hostport(server.ws_address[0]), server.ws_address[1])
+    loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await server.stop()
+    return int(got[0])
+
+
+def _hostport(host: str) -> str:
+    """An IPv6 address in brackets, as URLs write it."""
+    return f"[{host}]" if ":" in host else host

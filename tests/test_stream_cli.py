@@ -1,0 +1,70 @@
+"""`transcribe stream` and `transcribe serve` as commands: usage errors, the offline decoder's
+checks, and a server stopped by a signal closing its clients and exiting 128 + the signal."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from conftest import NEMO_REF, SPEECH, needs_shared
+
+MODEL = str(NEMO_REF / "rnnt_streaming_tiny" / "model.nemo")
+pytestmark = needs_shared
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "transcribe.cli", *args], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_option_values_that_cannot_work_are_usage_errors():
+    audio = str(SPEECH / "jfk" / "jfk.flac")
+    for args in (("stream", audio, "--model", MODEL, "--chunk-ms", "0"),
+                 ("stream", audio, "--model", MODEL, "--left-context-ms", "-5"),
+                 ("stream", audio, "--model", MODEL, "--chunk-ms", "inf"),
+                 ("serve", "--model", MODEL, "--port", "70000"),
+                 ("serve", "--model", MODEL, "--ws-port", "-1"),
+                 ("serve", "--model", MODEL, "--idle-timeout", "0"),
+                 ("serve", "--model", MODEL, "--device", "bogus"),
+                 ("serve", "--model", MODEL, "--dtype", "bogus")):
+        p = _cli(*args)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_stream_reads_files_as_the_offline_command_does(tmp_path):
+    """A WAV whose header promises more data than the file holds fails as offline fails it,
+    rather than be streamed as the part that is there."""
+    wav = (SPEECH / "alsa_channel_test" / "Front_Left.wav").read_bytes()
+    (tmp_path / "trunc.wav").write_bytes(wav[:30000])
+    p = _cli("stream", str(tmp_path / "trunc.wav"), "--model", MODEL)
+    assert p.returncode == 1 and "truncated" in p.stderr, p.stderr
+
+
+def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
+    server = subprocess.Popen([sys.executable, "-m", "transcribe.cli", "serve", "--model", MODEL, "--port", "0"],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = server.stderr.readline()
+        port = int(re.search(r"listening on [^ ]+:(\d+)", line).group(1))
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        pcm = (np.sin(np.arange(16000) / 9.0) * 8000).astype("<i2").tobytes()
+        import base64
+        client.sendall((json.dumps({"type": "hello", "stream_id": "a", "sample_rate": 16000, "format": "pcm16"})
+                        + "\n" + json.dumps({"type": "audio", "data": base64.b64encode(pcm).decode()}) + "\n").encode())
+        reader = client.makefile("r")
+        assert json.loads(reader.readline())["type"] == "ready"
+        time.sleep(0.5)
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=60)
+        assert server.returncode == 130 and "Traceback" not in err and "Error" not in err, err
+        rest = reader.read()  # the connection was closed, not left hanging
+        assert all(json.loads(l)["type"] in ("partial", "final", "error") for l in rest.splitlines())
+        client.close()
+    finally:
+        server.kill()
