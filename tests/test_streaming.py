@@ -137,3 +137,24 @@ def test_offline_trained_encoder_is_rejected():
     engine = ParakeetEngine.from_nemo(NEMO_REF / "rnnt_tiny" / "model.nemo", device="cpu")
     with pytest.raises(ValueError, match="chunked_limited"):
         CacheAwareEncoder(engine.encoder)
+
+
+def test_no_audio_gives_an_empty_final_and_times_stay_inside_the_audio(model, files):
+    """A stream ended with less than one analysis window (none, 1 or 100 samples) decodes no
+    padding into made-up words: its final is empty. Word times, in partials and the final,
+    never pass the audio decoded (the last frame's 80 ms reaches beyond the samples)."""
+    import numpy as np
+
+    from streaming_fixtures import stream_alone
+
+    for n in (0, 1, 100):
+        session, texts = stream_alone(model, np.zeros(n, np.float32) + 0.1, piece=50)
+        assert texts in ([], [""]) and model.result(session).text == "" and session.decoded_seconds <= n / 16000
+    for f in files:
+        sched = Scheduler(model, SchedulerConfig(max_streams=1))
+        s = sched.open("a")
+        s.push_audio(f["samples"])
+        s.end()
+        while s.state == SessionState.ACTIVE:
+            for _, r, _ in sched.run_once():
+                assert all(w.end <= s.decoded_seconds <= f["samples"].shape[0] / 16000 for w in r.words)

@@ -27,6 +27,7 @@ from engines.streaming_encoder import CacheAwareEncoder
 from engines.transducer import TransducerDecoder
 from transcribe.features import LogMel
 from transcribe.results import Result
+from transcribe.stitching import shift
 from transcribe.streaming.chunked_session import ChunkedSession
 from transcribe.streaming.session import IncrementalLogMel, SessionBase, SessionState, StreamSession
 from transcribe.timestamps import build_result
@@ -98,10 +99,13 @@ class StreamingModel:
         return StreamSession(stream_id, IncrementalLogMel(self.logmel), self.encoder.cfg)
 
     def result(self, session: SessionBase) -> Result:
-        """Text and word times (s from the stream start) of everything decoded so far."""
+        """Text and word times (s from the stream start) of everything decoded so far, none past
+        the audio decoded (a token's frame, 80 ms, or TDT duration can reach beyond it; offline
+        results are cut back the same way, transcribe.stitching)."""
         e = self.engine
-        return build_result(e.tokenizer, session.tokens, session.token_frames, session.token_durations, e.kind,
-                            e.timing)
+        result = build_result(e.tokenizer, session.tokens, session.token_frames, session.token_durations, e.kind,
+                              e.timing)
+        return shift(result, 0.0, until=session.decoded_seconds)
 
 
 class Scheduler:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from engines.stream_pool import ChunkInput
 from engines.streaming_encoder import StreamingConfig, chunk_features, next_chunk
+from transcribe.audio import DEFAULT_MIN_SAMPLES
 from transcribe.features import LogMel
 
 
@@ -150,6 +151,11 @@ class StreamSession(SessionBase):
     def end(self) -> None:
         if not self.ended:
             self.ended = True
+            if round(self.audio_seconds * self.sample_rate) < DEFAULT_MIN_SAMPLES:
+                # Less than one 25 ms analysis window: the final is empty, as offline refuses
+                # such a file; the padded features would decode into made-up tokens.
+                self._feats = self._feats[:, :0]
+                return
             self._append(self.features.finish())
 
     def _append(self, frames: Tensor) -> None:
@@ -176,9 +182,10 @@ class StreamSession(SessionBase):
 
     @property
     def decoded_seconds(self) -> float:
-        """Audio covered by the chunks taken so far (s from the stream start)."""
+        """Audio covered by the chunks taken so far (s from the stream start); the last feature
+        frame is centred on the last sample, so frames can span a hop more than the audio."""
         cfg = self.features.logmel.cfg
-        return self._next * cfg.hop_length / cfg.sample_rate
+        return min(self._next * cfg.hop_length / cfg.sample_rate, self.audio_seconds)
 
     @property
     def finished_input(self) -> bool:
