@@ -109,3 +109,33 @@ def test_twice_max_streams_wait_their_turn_or_are_refused(model, files):
     assert any(r.messages[0]["type"] == "waiting" for r in done)
     for r in done:
         assert r.final["text"] == files[int(r.stream_id[1:])]["offline_text"]
+
+
+def test_a_queued_stream_waits_for_its_slot_without_timing_out(model, files):
+    """The server keeps a queued client waiting, so no idle or final timeout runs while it is
+    queued: one that waits for "ready" before sending, and one that sent everything and "end"
+    at once, both get their final after a stream that holds the only slot for several idle
+    timeouts (the first was dropped after idle_timeout_s, the second after final_timeout_s)."""
+    async def scenario(server, host, port):
+        holder = asyncio.create_task(stream_audio(host, port, "holder", files[0]["samples"][: 16000 * 3],
+                                                  piece_s=0.25, realtime=True))
+        await asyncio.sleep(0.3)
+        reader, writer = await asyncio.open_connection(host, port, limit=P.MAX_LINE_BYTES)
+        writer.write(_hello("polite"))
+        await writer.drain()
+        assert json.loads(await reader.readline())["type"] == "waiting"
+        eager = asyncio.create_task(_raw(host, port, [_hello("eager"), P.encode(P.audio_message(files[2]["samples"])),
+                                                      P.encode({"type": "end"})], read_timeout=20.0))
+        ready = json.loads(await asyncio.wait_for(reader.readline(), 20.0))
+        assert ready["type"] == "ready"
+        writer.write(P.encode(P.audio_message(files[1]["samples"])) + P.encode({"type": "end"}))
+        await writer.drain()
+        polite = [json.loads(line) async for line in reader]
+        writer.close()
+        return await holder, polite, await eager
+
+    holder, polite, eager = _run(model, ServerConfig(port=0, max_streams=1, idle_timeout_s=0.6,
+                                                     final_timeout_s=2.0), scenario)
+    assert holder.final is not None
+    assert polite[-1]["type"] == "final" and polite[-1]["text"] == files[1]["offline_text"]
+    assert eager[-1]["type"] == "final" and eager[-1]["text"] == files[2]["offline_text"]

@@ -10,7 +10,8 @@ Client -> server
     {"type": "end"}                        no more audio: the server sends the final result
 Server -> client (over WebSocket: text frames)
     {"type": "ready", "stream_id": ...}    a slot is assigned: audio is decoded as it arrives
-    {"type": "waiting", "stream_id": ..., "position": n}   queued for a slot (audio is kept)
+    {"type": "waiting", "stream_id": ..., "position": n}   queued for a slot (audio is kept;
+                                           no idle or final timeout runs while queued)
     {"type": "partial"|"final", "stream_id": ..., "text": ..., "words": [{"word", "start",
         "end"}], "audio_seconds": s}       times in seconds from the stream start;
         audio_seconds: audio decoded so far

@@ -7,8 +7,9 @@ message, abort, close) around one per-connection handler, so admission, errors, 
 slot release are the same code. One event loop does all socket I/O and scheduling; the batched pool step runs in one worker
 thread (torch releases the GIL), so reading audio and sending results go on while the model
 computes. Every client has a bounded outgoing queue: a client that does not read its results
-(queue full, or one send blocked for `send_timeout_s`) or sends nothing for `idle_timeout_s` is
-dropped, and its slot returns to the pool.
+(queue full, or one send blocked for `send_timeout_s`) or sends nothing for `idle_timeout_s`
+while it holds a slot is dropped, and its slot returns to the pool. A stream queued for a slot
+has no timeout: the server is the one keeping it waiting.
 """
 from __future__ import annotations
 
@@ -231,10 +232,8 @@ class StreamServer:
             if isinstance(msg, P.End):
                 session.end()
                 self._wake.set()
-                try:
-                    await asyncio.wait_for(client.final.wait(), self.cfg.final_timeout_s)
-                except asyncio.TimeoutError:
-                    raise P.ProtocolError("timeout", "no final result in time (server overloaded)") from None
+                await self._unless_late(client, client.final.wait(), self.cfg.final_timeout_s,
+                                        "no final result in time (server overloaded)")
                 return
             session.push_audio(msg.samples)
             self._wake.set()
@@ -246,10 +245,24 @@ class StreamServer:
         return P.parse_stream_message(incoming, fmt)
 
     async def _recv(self, client: _Client) -> Incoming:
+        return await self._unless_late(client, client.transport.recv(), self.cfg.idle_timeout_s,
+                                       f"nothing received for {self.cfg.idle_timeout_s} s")
+
+    @staticmethod
+    async def _unless_late(client: _Client, awaitable, timeout_s: float, message: str):
+        """`awaitable`'s result, or a "timeout" error after `timeout_s` during which the client
+        held a slot (or had not said hello): a stream queued for a slot waits as long as the
+        queue takes, as the server is the one keeping it (a disconnect still ends a read)."""
+        task = asyncio.ensure_future(awaitable)
         try:
-            return await asyncio.wait_for(client.transport.recv(), self.cfg.idle_timeout_s)
-        except asyncio.TimeoutError:
-            raise P.ProtocolError("timeout", f"nothing received for {self.cfg.idle_timeout_s} s") from None
+            while True:
+                done, _ = await asyncio.wait([task], timeout=timeout_s)
+                if done:
+                    return task.result()
+                if client.session is None or client.session.state != SessionState.WAITING:
+                    raise P.ProtocolError("timeout", message)
+        finally:
+            task.cancel()  # cancelling a read loses no data (see the transports)
 
     async def _sender(self, client: _Client) -> None:
         try:
