@@ -35,7 +35,9 @@ class ChunkedSession(SessionBase):
         self.chunk = context.chunk * frame_samples
         self.right = context.right * frame_samples
         self.frame_samples = frame_samples
-        self._audio = np.zeros(0, dtype=np.float32)  # samples from _base on
+        self._audio = np.zeros(0, dtype=np.float32)  # samples from _base on ...
+        self._pending: list[np.ndarray] = []  # ... then these, joined when a window is cut:
+        self._pending_n = 0  # joining at every push made a long upload quadratic
         self._base = 0
         self._next = 0  # first sample of the next chunk
         self._last_taken = False
@@ -44,14 +46,15 @@ class ChunkedSession(SessionBase):
         """float32 mono samples at the model's rate."""
         self._arrived(audio)
         if audio.shape[0]:
-            self._audio = np.concatenate((self._audio, audio.astype(np.float32, copy=False)))
+            self._pending.append(audio.astype(np.float32))  # a copy: the caller may reuse its buffer
+            self._pending_n += audio.shape[0]
 
     def end(self) -> None:
         self.ended = True
 
     @property
     def _available(self) -> int:
-        return self._base + self._audio.shape[0]
+        return self._base + self._audio.shape[0] + self._pending_n
 
     def _is_last(self) -> bool:
         return self.ended and self._available - self._next <= self.chunk + self.right
@@ -72,6 +75,9 @@ class ChunkedSession(SessionBase):
             self._next = c + self.chunk
         else:
             return None
+        if self._pending:
+            self._audio = np.concatenate([self._audio, *self._pending])
+            self._pending, self._pending_n = [], 0
         window = torch.from_numpy(self._audio[start - self._base: end - self._base].copy())
         keep_from = max(self._next - self.left, self._base)  # what later windows can still need
         self._audio = self._audio[keep_from - self._base:]

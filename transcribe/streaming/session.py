@@ -139,7 +139,9 @@ class StreamSession(SessionBase):
         super().__init__(stream_id, features.logmel.cfg.sample_rate)
         self.features = features
         self.cfg = cfg
-        self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on
+        self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on ...
+        self._pending: list[Tensor] = []  # ... then these, joined when a chunk is cut (joining
+        self._pending_n = 0  # at every push made a long upload quadratic)
         self._feat_base = 0
         self._next = 0  # first feature frame of the next chunk
 
@@ -154,22 +156,29 @@ class StreamSession(SessionBase):
             if round(self.audio_seconds * self.sample_rate) < DEFAULT_MIN_SAMPLES:
                 # Less than one 25 ms analysis window: the final is empty, as offline refuses
                 # such a file; the padded features would decode into made-up tokens.
-                self._feats = self._feats[:, :0]
+                self._feats, self._pending, self._pending_n = self._feats[:, :0], [], 0
                 return
             self._append(self.features.finish())
 
     def _append(self, frames: Tensor) -> None:
         if frames.shape[1]:
-            self._feats = torch.cat((self._feats, frames), dim=1)
+            self._pending.append(frames)
+            self._pending_n += frames.shape[1]
+
+    @property
+    def _available(self) -> int:
+        return self._feat_base + self._feats.shape[1] + self._pending_n
 
     def next_chunk(self) -> ChunkInput | None:
         """The next complete chunk (any remainder once ended), or None; advances the cursor."""
         if self.slot is None:
             return None
-        available = self._feat_base + self._feats.shape[1]
-        span = next_chunk(self._next, available, self.ended, self.cfg)
+        span = next_chunk(self._next, self._available, self.ended, self.cfg)
         if span is None:
             return None
+        if self._pending:
+            self._feats = torch.cat([self._feats, *self._pending], dim=1)
+            self._pending, self._pending_n = [], 0
         local = type(span)(span.start - self._feat_base, span.end - self._feat_base,
                            span.cache_start - self._feat_base, span.first)
         feats = chunk_features(self._feats, local, self.cfg)
@@ -192,5 +201,4 @@ class StreamSession(SessionBase):
         """Ended and no chunk left to run."""
         if not self.ended:
             return False
-        available = self._feat_base + self._feats.shape[1]
-        return next_chunk(self._next, available, True, self.cfg) is None
+        return next_chunk(self._next, self._available, True, self.cfg) is None
