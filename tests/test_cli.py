@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import OFFLINE_VARIANTS, Reference, needs_shared
+from conftest import OFFLINE_VARIANTS, SPEECH, Reference, needs_shared
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -115,6 +115,40 @@ def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another
     assert second.returncode == 0 and "0 already done" in second.stderr, second.stderr
     (row,) = map(json.loads, (out / "results.jsonl").read_text().splitlines())
     assert row["model"] == str(tmp_path / "mb" / "m.nemo") and row["text"] == b.files[0]["transcribe_text"]
+
+
+@needs_shared
+def test_manifest_segments_are_transcribed_each_as_the_file_it_was_cut_from(tmp_path):
+    """The long-form join holds test-other 1688-142285-0000.. back to back with 0.5 s gaps,
+    sample for sample: a manifest cutting it with offset + duration transcribes each segment
+    as NeMo transcribed the utterance, with times from the start of the joined file, scores
+    each against its own text, and a rerun finds every segment done."""
+    ref = Reference("tdt_tiny")
+    joined = SPEECH / "longform" / "librispeech_test-other_1688-142285_concat.flac"
+    rows, offset = [], 0.0
+    for f in ref.files[:3]:
+        rows.append({"audio_filepath": str(joined), "offset": offset, "duration": f["samples"] / 16000,
+                     "text": f["transcribe_text"]})
+        offset += f["samples"] / 16000 + 0.5
+    manifest = tmp_path / "segments.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    p = run_cli(str(manifest), "--model", str(ref.nemo), "--out", str(out), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    log = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["offset"], r["duration"]) for r in log) == [(r["offset"], r["duration"]) for r in rows]
+    for row, f in zip(rows, ref.files):
+        doc = json.loads((out / f"{joined.stem}_{row['offset']:.2f}-{row['offset'] + row['duration']:.2f}.json").read_text())
+        assert doc["text"] == f["transcribe_text"]
+        end = f["samples"] / 16000
+        assert [(w["word"], w["start"], w["end"]) for w in doc["words"]] == [
+            (w["word"], round(row["offset"] + min(w["start"], end), 3), round(row["offset"] + min(w["end"], end), 3))
+            for w in f["words"]]
+    assert "3 already done" in run_cli(str(manifest), "--model", str(ref.nemo), "--out", str(out), "--format",
+                                       "json").stderr
+    report = tmp_path / "r.json"
+    assert run_cli("bench", str(manifest), "--model", str(ref.nemo), "--json", str(report)).returncode == 0
+    assert json.loads(report.read_text())["wer"] == 0.0 and json.loads(report.read_text())["files"] == 3
 
 
 @needs_shared

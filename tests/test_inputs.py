@@ -149,24 +149,31 @@ def test_shards_partition_the_inputs(tmp_path):
             parse_shard(bad)
 
 
-def test_segments_of_a_file_fail_rather_than_be_transcribed_whole(tmp_path):
-    """NeMo manifests cut long recordings with `offset` + `duration`; each such line fails
-    with the reason, the `offset: 0` segment of the same file too, and whole files with an
-    `offset` of 0 are read as usual."""
+def test_segments_of_a_file_are_inputs_of_their_own(tmp_path):
+    """NeMo manifests cut long recordings with `offset` + `duration`: each line is its own
+    input (named for its times, told apart by `key`), the `offset: 0` segment of a cut file
+    too; a lone `offset: 0` line is the whole file as before; a bad offset fails its line."""
     _touch(tmp_path / "long.flac")
     _touch(tmp_path / "whole.flac")
     m = tmp_path / "m.jsonl"
     m.write_text("".join(json.dumps(r) + "\n" for r in [
         {"audio_filepath": "long.flac", "offset": 0, "duration": 15.0, "text": "ONE"},
-        {"audio_filepath": "long.flac", "offset": 15.5, "duration": 12.6, "text": "TWO"},
+        {"audio_filepath": "long.flac", "offset": 15.5, "duration": 12.625, "text": "TWO"},
+        {"audio_filepath": "long.flac", "offset": 15.5, "duration": 12.625, "text": "TWO"},  # a repeat
+        {"audio_filepath": "long.flac", "offset": 40},  # to the end of the file
         {"audio_filepath": "whole.flac", "offset": 0.0, "duration": 3.0, "text": "ALL"},
+        {"audio_filepath": "long.flac", "offset": "soon"},
     ]))
-    one, two, whole = read_manifest(m)
-    assert "other lines name segments of long.flac" in one.problem and "not supported" in one.problem
-    assert two.problem.startswith(f"{m.resolve()}:2: offset 15.5: segments of a file")
-    assert whole.problem is None and whole.reference == "ALL"
-    (failed, ok) = discover([str(m)])  # one line per audio file
-    assert failed.path.name == "long.flac" and failed.problem and ok.problem is None
+    one, two, _, rest, whole, bad = read_manifest(m)
+    assert (one.offset, one.duration, one.reference, one.span) == (0.0, 15.0, "ONE", (0.0, 15.0))
+    assert (two.offset, two.duration, two.reference) == (15.5, 12.625, "TWO")
+    assert rest.span == (40.0, None) and whole.offset is None and whole.span is None
+    assert bad.problem.startswith(f"{m}:6: offset 'soon' is not a number")
+    files = discover([str(m)])
+    assert [f.key for f in files] == [Path(f"{tmp_path}/long.flac@0"), Path(f"{tmp_path}/long.flac@15.5"),
+                                      Path(f"{tmp_path}/long.flac@40"), tmp_path / "whole.flac",
+                                      tmp_path / "long.flac"]  # the bad line, under its path
+    assert [str(f.stem) for f in files[:4]] == ["long_0.00-15.00", "long_15.50-28.12", "long_40.00-end", "whole"]
 
 
 def test_an_extension_kept_for_a_shared_stem_never_meets_another_files_stem(tmp_path):

@@ -226,6 +226,11 @@ def test_pyav_decodes_audio_and_reports_a_missing_stream(tmp_path):
     with AudioStream(tmp_path / "a.m4a", SR) as stream:
         audio = np.concatenate(list(stream.blocks()))
     assert abs(audio.shape[0] - 2 * SR) < 0.1 * SR and 0.15 < np.abs(audio).max() < 0.5
+    # A segment: PyAV cannot seek to a sample, so the samples before it are decoded and dropped.
+    with AudioStream(tmp_path / "a.m4a", SR, span=(0.5, 1.0)) as stream:
+        part = np.concatenate(list(stream.blocks()))
+    # (resampled on its own, so its first and last few ms differ from a slice of the whole)
+    assert part.shape[0] == SR and np.abs(part - audio[SR // 2: SR // 2 + SR])[400:-400].max() < 1e-3
     with av.open(str(tmp_path / "v.mp4"), "w") as c:
         s = c.add_stream("mpeg4", rate=10)
         s.width, s.height, s.pix_fmt = 32, 32, "yuv420p"
@@ -236,3 +241,22 @@ def test_pyav_decodes_audio_and_reports_a_missing_stream(tmp_path):
             c.mux(packet)
     with pytest.raises(AudioError, match="no audio stream"):
         AudioStream(tmp_path / "v.mp4", SR)
+
+
+def test_a_segment_decodes_the_samples_of_its_span(tmp_path):
+    """`span` (start s, length s or to the end): the same samples as the whole file decoded
+    and sliced (soundfile seeks; a longer span stops at the end; one past it is an error)."""
+    from transcribe.decode import AudioError
+
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-0.5, 0.5, 3 * SR).astype(np.float32)
+    sf.write(tmp_path / "x.flac", x, SR)
+    for span, want in (((0.5, 1.25), x[SR // 2: SR // 2 + SR * 5 // 4]), ((2.0, None), x[2 * SR:]),
+                       ((2.5, 9.0), x[5 * SR // 2:])):
+        with AudioStream(tmp_path / "x.flac", SR, span=span) as stream:
+            assert abs(stream.duration - want.shape[0] / SR) < 1e-6
+            got = np.concatenate(list(stream.blocks()))
+        np.testing.assert_allclose(got, want, atol=1e-4)  # FLAC is 16-bit here
+    with pytest.raises(AudioError, match="offset past the end"):
+        with AudioStream(tmp_path / "x.flac", SR, span=(4.0, 1.0)) as stream:
+            list(stream.blocks())

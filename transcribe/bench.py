@@ -100,7 +100,7 @@ def peak_gpu_bytes(device: str) -> int | None:
 
 def build_report(stats, files, model: str, device: str, load_seconds: float, total_seconds: float) -> dict:
     """The bench report of the contract, plus load-excluded (steady-state) figures."""
-    refs = [(f.reference, stats.texts.get(f.path, "")) for f in files if f.reference is not None]
+    refs = [(f.reference, stats.texts.get(f.key, "")) for f in files if f.reference is not None]
     stages = {k: round(v, 4) for k, v in sorted(stats.stage_seconds.items())}
     stages["load_model"] = round(load_seconds, 4)
     return {

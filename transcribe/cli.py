@@ -261,6 +261,7 @@ def merge(
     shard_dirs: List[Path] = typer.Argument(..., help="The --out folders of the shard runs."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
 ) -> None:
+    from transcribe.inputs import record_key
     from transcribe.resume import OutputBusy, out_dir_lock
     from transcribe.writers import atomic_write_text, read_results, results_line
 
@@ -271,9 +272,10 @@ def merge(
     merged: dict[str, dict] = {}
     for d in shard_dirs:
         for r in read_results(d / "results.jsonl"):
-            old = merged.get(r["audio_filepath"])
+            key = str(record_key(r))  # a segment of a file is its own line
+            old = merged.get(key)
             if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
-                merged[r["audio_filepath"]] = r
+                merged[key] = r
     try:
         with out_dir_lock(out):  # not while a run writes there
             atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged.values()))

@@ -37,10 +37,12 @@ class AudioStream:
     has produced. Raises AudioError (naming the file and why) on open or while decoding.
     """
 
-    def __init__(self, path: str | Path, target_rate: int, min_samples: int = DEFAULT_MIN_SAMPLES):
+    def __init__(self, path: str | Path, target_rate: int, min_samples: int = DEFAULT_MIN_SAMPLES,
+                 span: tuple[float, float | None] | None = None):
         self.path = _check_path(path)
         self.target_rate = target_rate
         self.min_samples = min_samples
+        self.span = span  # (start s, length s or None: to the end): a segment of the file
         self.samples = 0
         use_av = self.path.suffix.lower() in AV_EXTENSIONS
         self._source = _AvSource(self.path) if use_av else _SoundfileSource(self.path)
@@ -54,6 +56,9 @@ class AudioStream:
             self._source.close()  # workers are long-lived: never leak a file handle
             raise AudioError(self.path, reason)
         self.duration = self._source.frames / rate if self._source.frames else 0.0
+        if span is not None:
+            start, length = span
+            self.duration = max(0.0, min(self.duration - start, length if length is not None else math.inf))
 
     def __enter__(self) -> "AudioStream":
         return self
@@ -67,7 +72,7 @@ class AudioStream:
         stream = None if rate == self.target_rate else soxr.ResampleStream(
             rate, self.target_rate, 1, dtype="float32", quality="HQ")
         n_in, held = 0, None
-        for mono in self._source.mono_blocks():
+        for mono in self._mono_blocks():
             if not np.isfinite(mono).all():
                 raise AudioError(self.path, "audio contains NaN or infinite samples")
             n_in += mono.shape[0]
@@ -78,6 +83,8 @@ class AudioStream:
                     yield held
                 held = out
         if n_in == 0:
+            if self.span is not None:
+                raise AudioError(self.path, f"no audio samples from {self.span[0]:g} s on (offset past the end)")
             raise AudioError(self.path, "no audio samples (0 frames)")
         tail = [] if held is None else [held]
         if stream is not None:
@@ -90,6 +97,27 @@ class AudioStream:
             raise AudioError(self.path, f"too short: {self.samples} samples at {self.target_rate} Hz, "
                                         f"need at least {self.min_samples}")
         yield last
+
+
+    def _mono_blocks(self) -> Iterator[np.ndarray]:
+        """The source's mono blocks at its own rate, only those of the span for a segment
+        (soundfile seeks to its start; PyAV decodes from the beginning and drops the rest)."""
+        if self.span is None:
+            yield from self._source.mono_blocks()
+            return
+        rate = self._source.rate
+        skip = round(self.span[0] * rate)
+        left = math.inf if self.span[1] is None else round(self.span[1] * rate)
+        skip -= self._source.seek(skip)
+        for mono in self._source.mono_blocks():
+            if skip >= mono.shape[0]:
+                skip -= mono.shape[0]
+                continue
+            mono = mono[skip:skip + left] if left < math.inf else mono[skip:]
+            skip, left = 0, left - mono.shape[0]
+            yield mono
+            if left <= 0:
+                return
 
 
 class _SoundfileSource:
@@ -107,6 +135,15 @@ class _SoundfileSource:
             self.close()
             raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
                                    f"the file holds {short.group(2)}")
+
+    def seek(self, frame: int) -> int:
+        """Start reading at `frame` (clamped to the file); returns the frames skipped."""
+        frame = min(frame, self.frames)
+        try:
+            self._f.seek(frame)
+        except (sf.SoundFileError, RuntimeError) as e:
+            raise _open_error(self.path, e) from e
+        return frame
 
     def mono_blocks(self) -> Iterator[np.ndarray]:
         n = max(1024, BLOCK_BYTES // (4 * self.channels))
@@ -152,6 +189,9 @@ class _AvSource:
         self._s = self._c.streams.audio[0]
         self.rate, self.channels = int(self._s.codec_context.sample_rate or 0), int(self._s.codec_context.layout.nb_channels or 0)
         self.frames = int(self._s.duration * self._s.time_base * self.rate) if self._s.duration else 0
+
+    def seek(self, frame: int) -> int:
+        return 0  # container seeks land on packet boundaries: the caller drops samples instead
 
     def mono_blocks(self) -> Iterator[np.ndarray]:
         # Only the sample format changes here (to float planar); rate stays for soxr.

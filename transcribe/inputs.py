@@ -19,13 +19,6 @@ AUDIO_EXTENSIONS = frozenset(
 MANIFEST_EXTENSIONS = frozenset({".jsonl", ".json"})
 
 
-# NeMo reads `duration` seconds from a line's `offset`: a segment of the file. Transcribing the
-# whole file instead would score it against one segment's text and fold every line naming that
-# file into one, so these lines fail with the reason (`read_manifest`).
-_SEGMENT_TAIL = "segments of a file (offset and duration) are not supported; cut them into files of their own"
-SEGMENT_LINE = "offset {offset!r}: " + _SEGMENT_TAIL
-
-
 class InputError(ValueError):
     """An input argument that names nothing we can transcribe (a usage problem, exit 1)."""
 
@@ -39,6 +32,8 @@ class InputFile:
     problem: why this input fails without being opened (a manifest line that cannot be read).
     stem: its output path relative to --out without the format extension, once `discover`
     has named all the inputs (`output_stems`).
+    offset: a segment of the file, from `offset` s for `duration` s (to its end when None):
+    NeMo manifests cut long recordings so. None: the whole file.
     """
 
     path: Path
@@ -47,6 +42,24 @@ class InputFile:
     duration: float | None = None
     problem: str | None = None
     stem: Path | None = None
+    offset: float | None = None
+
+    @property
+    def key(self) -> Path:
+        """What tells this input apart: its path, with `@OFFSET` for a segment (results.jsonl's
+        `audio_filepath` and `offset` name it the same way, `record_key`)."""
+        return self.path if self.offset is None else Path(f"{self.path}@{self.offset:g}")
+
+    @property
+    def span(self) -> tuple[float, float | None] | None:
+        """(start s, length s or None) of a segment, for the decoder; None: the whole file."""
+        return None if self.offset is None else (self.offset, self.duration)
+
+
+def record_key(record: dict) -> Path:
+    """The `InputFile.key` of a results.jsonl record."""
+    offset = record.get("offset")
+    return Path(record["audio_filepath"] if offset is None else f"{record['audio_filepath']}@{offset:g}")
 
 
 def absolute(path: Path) -> Path:
@@ -78,10 +91,10 @@ def discover(inputs: list[str]) -> list[InputFile]:
     if missing and len(missing) == len(found):  # nothing at all to transcribe (a glob that matched nothing)
         raise InputError(f"{', '.join(missing)}: no such file or directory")
     seen: set[Path] = set()
-    unique = _distinct_rels([f for f in found if not (f.path in seen or seen.add(f.path))])
+    unique = _distinct_rels([f for f in found if not (f.key in seen or seen.add(f.key))])
     # Output names pinned over all the inputs, before any --shard takes its part of them.
     stems = output_stems(unique)
-    return [replace(f, stem=stems[f.path]) for f in unique]
+    return [replace(f, stem=stems[f.key]) for f in unique]
 
 
 def _distinct_rels(files: list[InputFile]) -> list[InputFile]:
@@ -95,14 +108,15 @@ def _distinct_rels(files: list[InputFile]) -> list[InputFile]:
         for i, f in enumerate(files):
             if f.problem is None:  # a manifest line that fails writes nothing
                 groups.setdefault(f.rel, []).append(i)
-        clashes = [g for g in groups.values() if len(g) > 1]
+        # Segments of one file share its rel: only different files clash.
+        clashes = [g for g in groups.values() if len({files[i].path for i in g}) > 1]
         if not clashes:
             return files
         files = list(files)
         for group in clashes:
             parts = [files[i].path.parts[1:] for i in group]  # without the root: rel stays relative
             depth = len(files[group[0]].rel.parts) + 1
-            while depth < max(map(len, parts)) and len({p[-depth:] for p in parts}) < len(group):
+            while depth < max(map(len, parts)) and len({p[-depth:] for p in parts}) < len(set(parts)):
                 depth += 1
             for i, p in zip(group, parts):
                 files[i] = replace(files[i], rel=Path(*p[-depth:]))
@@ -144,11 +158,10 @@ def read_manifest(path: Path) -> list[InputFile]:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
                 out.append(_manifest_entry(raw, manifest, lineno))
-    # A file cut into segments fails on every line, its `offset: 0` one too (NeMo's first
-    # segment), rather than be transcribed whole as that line's.
-    segmented = {f.path for f in out if f.problem is not None and f.problem.endswith(_SEGMENT_TAIL)}
-    return [replace(f, problem=f"{manifest}: other lines name segments of {f.path.name}: {_SEGMENT_TAIL}")
-            if f.path in segmented and f.problem is None else f for f in out]
+    # `offset: 0` alone (some tools write it for whole files) means the whole file, named as
+    # one; a file with a segment further in, or several lines, is read segment by segment.
+    lines = Counter(f.path for f in out if f.offset is not None)
+    return [replace(f, offset=None) if f.offset == 0.0 and lines[f.path] == 1 else f for f in out]
 
 
 def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
@@ -175,35 +188,47 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
         rel = full.relative_to(base)
     except ValueError:
         rel = Path(full.name)
-    text, dur = row.get("text"), row.get("duration")
-    if row.get("offset") not in (None, 0, 0.0):
-        return broken(SEGMENT_LINE.format(offset=row["offset"]), full)
+    text, dur, offset = row.get("text"), row.get("duration"), row.get("offset")
     if text is not None and not isinstance(text, str):
         return broken(f"text {text!r} is not a string", full)
     if dur is not None and not (type(dur) in (int, float) and math.isfinite(dur) and dur >= 0):
         return broken(f"duration {dur!r} is not a number of seconds", full)
-    return InputFile(full, rel, text, float(dur) if dur is not None else None)
+    if offset is not None and not (type(offset) in (int, float) and math.isfinite(offset) and offset >= 0):
+        return broken(f"offset {offset!r} is not a number of seconds", full)
+    return InputFile(full, rel, text, float(dur) if dur is not None else None,
+                     offset=float(offset) if offset is not None else None)
 
 
 def output_stems(files: list[InputFile]) -> dict[Path, Path]:
-    """Map each file to its output path without format extension, relative to `--out`.
+    """Map each input (`InputFile.key`) to its output path without format extension, relative
+    to `--out`.
 
     `talks/a.flac` -> `talks/a`; when two inputs in one folder share a stem, both keep their
-    audio extension (`talks/a.flac`, `talks/a.wav`) so neither overwrites the other. A file
-    that `discover` has named keeps that name (a shard's files are named as the whole run's).
+    audio extension (`talks/a.flac`, `talks/a.wav`) so neither overwrites the other; a segment
+    adds its times (`talks/a_15.50-28.13`). A file that `discover` has named keeps that name
+    (a shard's files are named as the whole run's).
     """
-    stems = Counter(f.rel.with_suffix("") for f in files if f.problem is None)
-    out = {f.path: f.stem or (f.rel if stems[f.rel.with_suffix("")] > 1 else f.rel.with_suffix("")) for f in files}
+    named = {f.path: f.rel for f in files if f.problem is None}  # each file once, however many segments
+    stems = Counter(rel.with_suffix("") for rel in named.values())
+    base = {p: rel if stems[rel.with_suffix("")] > 1 else rel.with_suffix("") for p, rel in named.items()}
     # `a.flac` keeping its extension can meet another file's own stem (`a.flac.mp3` -> `a.flac`):
     # those keep their full name too, until every name is distinct.
     while True:
-        taken = Counter(out[f.path] for f in files if f.problem is None and f.stem is None)
-        clash = [f for f in files if f.problem is None and f.stem is None and taken[out[f.path]] > 1
-                 and out[f.path] != f.rel]
+        taken = Counter(base.values())
+        clash = [p for p, b in base.items() if taken[b] > 1 and b != named[p]]
         if not clash:
-            return out
-        for f in clash:
-            out[f.path] = f.rel
+            break
+        for p in clash:
+            base[p] = named[p]
+    return {f.key: f.stem or _segment_stem(base.get(f.path, f.rel.with_suffix("")), f) for f in files}
+
+
+def _segment_stem(stem: Path, f: InputFile) -> Path:
+    """A segment's outputs are named for its times in the file: `talk_15.50-28.13`."""
+    if f.offset is None:
+        return stem
+    end = f"{f.offset + f.duration:.2f}" if f.duration is not None else "end"
+    return stem.with_name(f"{stem.name}_{f.offset:.2f}-{end}")
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
@@ -224,5 +249,5 @@ def shard(files: list[InputFile], part: tuple[int, int] | None) -> list[InputFil
     if part is None:
         return files
     i, n = part
-    ordered = sorted(files, key=lambda f: str(f.path))
+    ordered = sorted(files, key=lambda f: str(f.key))
     return ordered[i - 1 :: n]

@@ -47,7 +47,7 @@ class OutputWriter:
         t0 = time.perf_counter()
         writes, staged, stop = StagedWrites(), [], None
         for file, result, seconds in self.pending:
-            stem = self.out_dir / self.stems[file.path]
+            stem = self.out_dir / self.stems[file.key]
             try:
                 write_outputs(result, stem, self.formats, writes)
             except OSError as e:
@@ -67,11 +67,11 @@ class OutputWriter:
             if stem in failed:
                 self._cannot_write(file, failed[stem])
                 continue
-            self._log({"audio_filepath": str(file.path), "duration": round(seconds, 3), "text": result.text,
+            self._log({**_names(file), "duration": round(seconds, 3), "text": result.text,
                        "status": "ok", "error": None, **self.made_by, **file_identity(file.path)})
             self.stats.files_ok += 1
             self.stats.audio_seconds += seconds
-            self.stats.texts[file.path] = result.text
+            self.stats.texts[file.key] = result.text
             self.bar.step()
         self._sync_log()
         self.stats.stage_seconds["write"] += time.perf_counter() - t0
@@ -80,7 +80,7 @@ class OutputWriter:
 
     def fail(self, file: InputFile, error: str) -> None:
         print(f"error: {error}", file=sys.stderr)
-        self._log({"audio_filepath": str(file.path), "duration": None, "text": "", "status": "error",
+        self._log({**_names(file), "duration": None, "text": "", "status": "error",
                    "error": error, **self.made_by, **file_identity(file.path)})
         self.stats.files_failed += 1
         self.bar.step()
@@ -102,3 +102,9 @@ class OutputWriter:
             self.log.sync()
         except OSError as e:
             raise OutputStopped(f"{self.log.path}: {e.strerror or e}") from e
+
+
+def _names(file: InputFile) -> dict:
+    """How a results.jsonl line names its input: the path, and a segment's start (s) in the
+    file (its length is the line's `duration`); `inputs.record_key` reads it back."""
+    return {"audio_filepath": str(file.path), **({"offset": file.offset} if file.offset is not None else {})}

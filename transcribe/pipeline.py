@@ -97,7 +97,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         stems = output_stems(files)
         todo, stats.files_skipped = plan_resume(
             files, out_dir / "results.jsonl", force, model=engine.name, settings=engine.settings,
-            written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.path], formats).values()))
+            written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.key], formats).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
@@ -176,7 +176,7 @@ class _Job:
                     if f.file.problem:  # a manifest line that names nothing we can open
                         self._fail(fid, f.file.problem)
                     else:
-                        pool.submit(fid, str(f.file.path))
+                        pool.submit(fid, str(f.file.path), f.file.span)
                 while self.files:
                     # Take every piece that has arrived (full buckets run as they fill), then,
                     # the model being free, run the fullest bucket rather than wait for more:
@@ -269,7 +269,8 @@ class _Job:
             return
         parts = [f.pieces[k] for k in range(f.expected)]
         seconds = f.samples / self.engine.sample_rate
-        result = stitch([r for _, r in parts], [o for o, _ in parts], seconds)
+        start = f.file.offset or 0.0  # a segment's times too are seconds from the start of the file
+        result = stitch([r for _, r in parts], [start + o for o, _ in parts], start + seconds)
         del self.files[fid]
         self.outputs.finished(f.file, result, seconds)
 

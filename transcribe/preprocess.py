@@ -4,7 +4,7 @@ The file is streamed (`transcribe/decode.py`: soundfile blocks or PyAV, downmix,
 pauses (`segmenting.PieceCutter`), and each piece's features (the engine's `frontend`) are
 written into a slot the main process granted; a `Piece` descriptor goes back over the pipe.
 Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, then
-("file", fid, path), ("slot", slot), ("stop",);
+("file", fid, path, span: (start s, length s) of a segment or None), ("slot", slot), ("stop",);
 (worker -> main): ("ready",) once, then per file ("start", fid, header seconds), ("slot?",), ("piece", Piece),
 ("done", fid, n_pieces, samples, stage seconds), ("error", fid, reason, stage seconds).
 """
@@ -74,7 +74,7 @@ def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
             msg = conn.recv()
             if msg[0] == "stop":
                 return
-            conn.send(_one_file(conn, slab, frontend, msg[1], msg[2]))
+            conn.send(_one_file(conn, slab, frontend, msg[1], msg[2], msg[3]))
     except (EOFError, BrokenPipeError, _Stop):
         pass  # the main process is gone or stopping us
     finally:
@@ -96,11 +96,11 @@ def _die_with_parent() -> None:
         os._exit(0)  # the parent died before prctl took effect
 
 
-def _one_file(conn, slab: Slab, frontend, fid: int, path: str) -> tuple:
-    """Preprocess one file into slots; returns its closing message ("done" or "error")."""
+def _one_file(conn, slab: Slab, frontend, fid: int, path: str, span=None) -> tuple:
+    """Preprocess one file (or its `span`) into slots; returns its closing message ("done" or "error")."""
     stages: dict[str, float] = defaultdict(float)
     try:
-        with AudioStream(path, frontend.sample_rate) as stream:
+        with AudioStream(path, frontend.sample_rate, span=span) as stream:
             conn.send(("start", fid, stream.duration))
             n = _pieces(conn, slab, frontend, fid, stream, stages)
         return ("done", fid, n, stream.samples, dict(stages))

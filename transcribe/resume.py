@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from transcribe.inputs import InputFile
+from transcribe.inputs import InputFile, record_key
 from transcribe.shm import sweep_stale
 from transcribe.writers import atomic_write_text, read_results, results_line
 
@@ -72,21 +72,21 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str 
     txt-only run writes the subtitles, and a deleted transcript is made again) and rewrite the
     log without the lines of files about to be redone, so every file ends with one line."""
     records = read_results(log_path)
-    by_path = {str(f.path): f for f in files}
+    by_key = {f.key: f for f in files}
     done = set()
     if not force:
         for r in records:
-            p = Path(r["audio_filepath"])
-            if r.get("status") == "ok" and str(p) in by_path and file_identity(p) == {
+            key = record_key(r)
+            if r.get("status") == "ok" and key in by_key and file_identity(Path(r["audio_filepath"])) == {
                 "size": r.get("size"), "mtime": r.get("mtime")
             } and (model is None or r.get("model") == model) and (
                 settings is None or r.get("settings", {}) == settings
-            ) and written(by_path[str(p)]):
-                done.add(str(p))
-    keep = [r for r in records if r["audio_filepath"] not in by_path or r["audio_filepath"] in done]
+            ) and written(by_key[key]):
+                done.add(key)
+    keep = [r for r in records if record_key(r) not in by_key or record_key(r) in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))
-    todo = [f for f in files if str(f.path) not in done]
+    todo = [f for f in files if f.key not in done]
     return todo, len(files) - len(todo)
 
 

@@ -104,6 +104,7 @@ class _Worker:
     ready: bool = False  # imports done, frontend warm: its file deadlines start counting
     fid: int | None = None  # the file it is on
     path: str = ""
+    span: tuple[float, float | None] | None = None  # a segment of the file (InputFile.span)
     deadline: float = 0.0
     limit: float = 0.0
     waiting_since: float | None = None  # asked for a slot, none free yet
@@ -126,7 +127,7 @@ class WorkerPool:
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self._free: deque[int] = deque(range(slab.spec.n_slots))
         self._released: deque[int] = deque()  # from the pipeline's thread
-        self._queue: deque[tuple[int, str]] = deque()
+        self._queue: deque[tuple[int, str, tuple | None]] = deque()  # (fid, path, span)
         self._waiting: deque[_Worker] = deque()
         self._start_failures = 0
         self._stop = threading.Event()
@@ -146,8 +147,8 @@ class WorkerPool:
         return w
 
     # -- called from the pipeline's thread ----------------------------------------------------
-    def submit(self, fid: int, path: str) -> None:
-        self._queue.append((fid, path))
+    def submit(self, fid: int, path: str, span: tuple[float, float | None] | None = None) -> None:
+        self._queue.append((fid, path, span))
         self._wake()
 
     def release(self, slots: list[int]) -> None:
@@ -218,10 +219,10 @@ class WorkerPool:
             self._grant(self._waiting.popleft(), now)
         for w in self._workers:
             if w.ready and w.fid is None and self._queue:
-                w.fid, w.path = self._queue.popleft()
+                w.fid, w.path, w.span = self._queue.popleft()
                 w.limit = self.timeout.limit(0.0)
                 w.deadline = now + w.limit
-                self._send(w, ("file", w.fid, w.path))
+                self._send(w, ("file", w.fid, w.path, w.span))
         ready = wait([w.conn for w in self._workers] + [w.process.sentinel for w in self._workers]
                      + [self._wake_r], MAX_WAIT_S)
         if self._wake_r in ready:
