@@ -170,8 +170,8 @@ def test_segments_of_a_file_are_inputs_of_their_own(tmp_path):
     assert rest.span == (40.0, None) and whole.offset is None and whole.span is None
     assert bad.problem.startswith(f"{m}:6: offset 'soon' is not a number")
     files = discover([str(m)])
-    assert [f.key for f in files] == [Path(f"{tmp_path}/long.flac@0"), Path(f"{tmp_path}/long.flac@15.5"),
-                                      Path(f"{tmp_path}/long.flac@40"), tmp_path / "whole.flac",
+    assert [f.key for f in files] == [Path(f"{tmp_path}/long.flac@0.0"), Path(f"{tmp_path}/long.flac@15.5"),
+                                      Path(f"{tmp_path}/long.flac@40.0"), tmp_path / "whole.flac",
                                       tmp_path / "long.flac"]  # the bad line, under its path
     assert [str(f.stem) for f in files[:4]] == ["long_0.00-15.00", "long_15.50-28.12", "long_40.00-end", "whole"]
 

@@ -48,7 +48,7 @@ class InputFile:
     def key(self) -> Path:
         """What tells this input apart: its path, with `@OFFSET` for a segment (results.jsonl's
         `audio_filepath` and `offset` name it the same way, `record_key`)."""
-        return self.path if self.offset is None else Path(f"{self.path}@{self.offset:g}")
+        return self.path if self.offset is None else Path(f"{self.path}@{float(self.offset)!r}")  # exact
 
     @property
     def span(self) -> tuple[float, float | None] | None:
@@ -59,7 +59,7 @@ class InputFile:
 def record_key(record: dict) -> Path:
     """The `InputFile.key` of a results.jsonl record."""
     offset = record.get("offset")
-    return Path(record["audio_filepath"] if offset is None else f"{record['audio_filepath']}@{offset:g}")
+    return Path(record["audio_filepath"] if offset is None else f"{record['audio_filepath']}@{float(offset)!r}")
 
 
 def absolute(path: Path) -> Path:
