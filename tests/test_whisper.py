@@ -198,3 +198,24 @@ def test_bundled_base_transcribes_real_speech(bundled):
     finally:
         engine.decoder.decode = real_decode
     assert decoded == [1]
+
+
+def test_a_window_whose_text_stops_short_is_decoded_on_from_where_it_stopped():
+    """Whisper base ends the first 29.9 s of test-other (utterances back to back) at 27.96 s,
+    leaving out the last sentence; OpenAI's transcribe would seek there and decode on, and so
+    does the engine now (`_decode_tails`), the same with word times or without."""
+    import soundfile as sf
+
+    from conftest import SPEECH, bundled_whisper_fp32
+
+    engine = bundled_whisper_fp32(4)
+    folder = SPEECH / "librispeech_test_other"
+    rows = [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()[:3]]
+    audio = np.concatenate([sf.read(folder / r["audio_filepath"], dtype="float32")[0] for r in rows])[:int(29.9 * 16000)]
+    features = [torch.from_numpy(engine.frontend(audio))]
+    texts = {}
+    for words in (False, True):
+        engine.word_timestamps = words
+        texts[words] = engine.transcribe_features(features)[0].text
+        assert engine.transcribe_features(features, continuations=0)[0].text.lower().rstrip(".").endswith("shopboy")
+    assert texts[False] == texts[True] and texts[True].lower().endswith("you thought me so silly.")
