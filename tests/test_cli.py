@@ -259,7 +259,8 @@ def test_option_values_no_model_takes_are_usage_errors(tmp_path):
                         (("--task", "summarise"), "expected transcribe or translate"),
                         (("--language", "klingon"), "expected a language code"),
                         (("--language", "DE"), "--language is for Whisper models"),
-                        (("--task", "translate"), "--task translate is for Whisper models")):
+                        (("--task", "translate"), "--task translate is for Whisper models"),
+                        (("--batch-seconds", "inf"), "expected a finite number of seconds")):
         p = run_cli(audio, "--model", str(ref.nemo), "--out", out, *flags)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (flags, p.stderr)
 

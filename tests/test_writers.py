@@ -142,3 +142,26 @@ def test_results_log_lines_are_flushed_at_once_and_synced_on_request(tmp_path, m
         assert len(synced) == 1
         log.append({"n": 3})
     assert len(synced) == 2  # closing syncs the rest
+
+
+def test_a_line_the_full_disk_did_not_take_does_not_fail_the_close(tmp_path):
+    """The append that hit ENOSPC stops the run; closing the log must not raise the same error
+    again (it replaced the run's clear message with chained tracebacks)."""
+    import errno
+    import io
+
+    class FullDisk(io.StringIO):
+        def flush(self):
+            if self.getvalue():
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            self.flush()
+            super().close()
+
+    log = ResultsLog(tmp_path / "results.jsonl")
+    log._f.close()
+    log._f = FullDisk()
+    with pytest.raises(OSError, match="No space"):
+        log.append({"audio_filepath": "/a", "status": "ok"})
+    log.close()

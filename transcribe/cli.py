@@ -8,6 +8,7 @@ shell reports it), with every file finished so far written; rerunning the comman
 """
 from __future__ import annotations
 
+import math
 import re
 import sys
 import tempfile
@@ -86,8 +87,6 @@ def _check_runtime(device: str, dtype: str) -> None:
 
 def _check_streaming(chunk_ms: Optional[float], left_ms: Optional[float], right_ms: Optional[float]) -> None:
     """The chunking options of `stream` and `serve`: finite, chunks longer than nothing."""
-    import math
-
     for option, value, least in (("--chunk-ms", chunk_ms, 1e-9), ("--left-context-ms", left_ms, 0.0),
                                  ("--right-context-ms", right_ms, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= least):
@@ -130,6 +129,8 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
         language = language.lower()  # codes are lower case: EN means en
         if not re.fullmatch(r"auto|[a-z]{2,3}", language):
             raise _fail(f"--language {language!r}: expected a language code (en, de, yue, ...) or auto", EXIT_USAGE)
+    if batch_seconds is not None and not math.isfinite(batch_seconds):
+        raise _fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
     options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
     try:
         part = parse_shard(shard_spec) if shard_spec else None

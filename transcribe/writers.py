@@ -246,13 +246,18 @@ class ResultsLog:
             self._unsynced = False
 
     def close(self) -> None:
-        """Sync and close; a sync that fails here leaves the lines to the kernel's writeback."""
+        """Sync and close; a sync that fails here leaves the lines to the kernel's writeback.
+        A line a full disk did not take (its append already stopped the run) is dropped on
+        close rather than raised again over the run's own message: its file has no line and is
+        done again next time (a partial line is repaired when the log is next opened)."""
         try:
             self.sync()
         except OSError:
             pass
-        finally:
+        try:
             self._f.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> "ResultsLog":
         return self
