@@ -46,8 +46,8 @@ PIECE_SECONDS = 20.0
 # silence is -1.5 throughout and 16-bit dither peaks at -0.7 to -0.9: base wrote "you" for
 # both, past OpenAI's no-speech rule (faster-whisper: "you" per 30 s window of 70 s of zeros).
 SILENCE_LOG_MEL = -0.6
-# A window whose last word ends this much before its audio does is decoded on from there, as
-# OpenAI's transcribe seeks to the last timestamp: base can stop at 27 s of a 30 s window of
+# A window whose text stops (its last timestamp) this much before its audio does is decoded on
+# from there, as OpenAI's transcribe seeks to the last timestamp: base can stop at 27 s of a 30 s window of
 # speech, or after one sentence of a 14 s piece (the rest of it was simply missing). At most
 # CONTINUATIONS times per piece; a tail that is silence (SILENCE_LOG_MEL) is not decoded, and
 # one whose no-speech probability passes TAIL_NO_SPEECH is dropped. Over the long-form joins,
@@ -223,7 +223,7 @@ class WhisperEngine:
         Longest first, as `decode_windows`: rows then finish roughly from the last one up, and
         the token loop's compaction (`Progress.keep`) has fewer rows to move. A silent piece
         (`SILENCE_LOG_MEL`) gets an empty result without being decoded; a piece whose text
-        stops short of its audio is decoded on from its last word (`_decode_tails`)."""
+        stops short of its audio is decoded on from its last timestamp (`_decode_tails`)."""
         out: list[Result | None] = [Result(text="") if float(f.amax()) <= SILENCE_LOG_MEL else None for f in features]
         reached: dict[int, float] = {}  # piece -> seconds its text reached
         order = sorted((i for i, r in enumerate(out) if r is None), key=lambda i: -features[i].shape[1])

@@ -53,10 +53,14 @@ def _writable_folder(folder: Path, option: str) -> None:
             pass
     except OSError as e:
         raise _fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
-    if option != "--out":
-        return
+
+
+def _out_folder(folder: Path) -> None:
+    """An --out, checked before the model loads: writable (`_writable_folder`), its
+    results.jsonl a file if there is one, and no other run writing there."""
     from transcribe.resume import OutputBusy, out_dir_lock
 
+    _writable_folder(folder, "--out")
     log = folder / "results.jsonl"  # every --out holds one, appended to as files finish
     if log.exists() and not log.is_file():
         raise _fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
@@ -98,14 +102,15 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
              words: bool = True, language: Optional[str] = None, task: str = "transcribe",
-             outputs: tuple[tuple[Optional[Path], str], ...] = ()):
+             out: Optional[Path] = None, report: Optional[Path] = None):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
     `words`: an output shows word times (Whisper aligns words only then). `language`, `task`:
-    --language, --task. `outputs`: (folder, option) pairs that must be writable, checked once
-    the inputs are known and before the model loads (None: not given)."""
+    --language, --task. `out` (--out, `_out_folder`) and `report` (--json: its folder must be
+    writable) are checked once the inputs are known and before the model loads (None: not
+    given)."""
     from engines.checkpoint import CheckpointError
     from engines.loader import OptionError, load_engine
     from transcribe.inputs import InputError, discover, parse_shard, shard
@@ -144,9 +149,10 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     if not found:
         raise _fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
     files = shard(found, part)
-    for folder, option in outputs:
-        if folder is not None:
-            _writable_folder(folder, option)
+    if out is not None:
+        _out_folder(out)
+    if report is not None:
+        _writable_folder(report.parent, "--json")
     if not files:  # more shards than files (an array job sized for a bigger set): no model needed
         typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
         return files, None, 0.0, None
@@ -200,7 +206,7 @@ def transcribe(
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words=needs_words(formats), language=language,
-                                        task=task, outputs=((out, "--out"),))
+                                        task=task, out=out)
     if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
         (out / "results.jsonl").touch()
         raise typer.Exit(EXIT_OK)
@@ -241,8 +247,7 @@ def bench(
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
-                                             language=language, outputs=((out, "--out"),
-                                                                         (json_path and json_path.parent, "--json")))
+                                             language=language, out=out, report=json_path)
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
@@ -269,7 +274,7 @@ def merge(
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
         raise _fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
-    _writable_folder(out, "--out")
+    _out_folder(out)
     merged: dict[str, dict] = {}
     for d in shard_dirs:
         for r in read_results(d / "results.jsonl"):

@@ -98,7 +98,6 @@ class AudioStream:
                                         f"need at least {self.min_samples}")
         yield last
 
-
     def _mono_blocks(self) -> Iterator[np.ndarray]:
         """The source's mono blocks at its own rate, only those of the span for a segment
         (soundfile seeks to its start; PyAV decodes from the beginning and drops the rest)."""

@@ -1,8 +1,9 @@
 """Resume state in `--out`: which files are done, and what a killed run left behind.
 
 A file is done when results.jsonl has an ok line for its path with the same size and
-modification time, by the same model and settings, and its outputs exist (`plan_resume`); a rerun skips it and redoes everything else (failed or changed files),
-after dropping their old lines so each file ends with exactly one. One run at a time holds
+modification time, by the same model and settings, and its outputs exist (`plan_resume`); a
+rerun skips it and redoes everything else (failed or changed files), after dropping their old
+lines so each file ends with exactly one. One run at a time holds
 a folder (`out_dir_lock`).
 """
 from __future__ import annotations
@@ -72,18 +73,18 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str 
     txt-only run writes the subtitles, and a deleted transcript is made again) and rewrite the
     log without the lines of files about to be redone, so every file ends with one line."""
     records = read_results(log_path)
+    keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
     done = set()
     if not force:
-        for r in records:
-            key = record_key(r)
+        for r, key in zip(records, keys):
             if r.get("status") == "ok" and key in by_key and file_identity(Path(r["audio_filepath"])) == {
                 "size": r.get("size"), "mtime": r.get("mtime")
             } and (model is None or r.get("model") == model) and (
                 settings is None or r.get("settings", {}) == settings
             ) and written(by_key[key]):
                 done.add(key)
-    keep = [r for r in records if record_key(r) not in by_key or record_key(r) in done]
+    keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))
     todo = [f for f in files if f.key not in done]
