@@ -160,4 +160,9 @@ class RelPositionMultiHeadAttention(nn.Module):
             return shifted_position_scores(q_v, p.view(-1, self.h, self.d_k), mask)
         else:
             bd = rel_shift(position_scores(q_v, p.view(-1, self.h, self.d_k)))
-        return bd if mask is None else bd + mask
+        if mask is None:
+            # rel_shift's view starts T-1 elements in with row stride 2T-2: SDPA's CUDA kernels
+            # read the mask with vector loads, which fault on such an address in bf16/fp16
+            # ("misaligned address"). A padding mask's add makes a fresh tensor anyway.
+            return bd.contiguous()
+        return bd + mask

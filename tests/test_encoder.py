@@ -263,6 +263,24 @@ def test_rel_shift_matches_nemo_trick():
     assert rel_shift(bd)[0, 0, 5, 2] == bd[0, 0, 5, 6 - 3]
 
 
+@pytest.mark.parametrize("mask", [False, True])
+def test_attention_mask_handed_to_sdpa_is_contiguous(mask):
+    """The additive mask SDPA gets must be an ordinary tensor: rel_shift's view starts T-1
+    elements into its storage with row stride 2T-2, and SDPA's CUDA kernels read the mask with
+    vector loads, which stopped the bf16/fp16 encoder with "misaligned address" on an H100 for a
+    batch without padding (mask None: the view was passed on as it was)."""
+    from engines.attention import RelPositionMultiHeadAttention
+
+    att = RelPositionMultiHeadAttention(4, 64, use_bias=True)
+    t = 37
+    q_v, p = torch.randn(2, t, 4, 16), torch.randn(1, 2 * t - 1, 64)
+    m = torch.zeros(2, 1, t, t) if mask else None
+    bd = att.position_term(q_v, p, m)
+    # dense from the start of its own storage (a masked one may be a permuted dense layout)
+    assert bd.shape == (2, 4, t, t) and bd.storage_offset() == 0 and bd.stride(-1) == 1
+    assert bd.untyped_storage().nbytes() == bd.numel() * bd.element_size()
+
+
 def test_no_grad_state_and_inference_mode():
     cfg = EncoderConfig.from_nemo(TINY)
     enc = ConformerEncoder.from_state(cfg, random_encoder(cfg).state_dict())
