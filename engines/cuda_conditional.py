@@ -156,10 +156,15 @@ class WhileLoops:
 
     def __init__(self, api: CudaPython, device: torch.device):
         self.api, self.device = api, device
+        torch.cuda.synchronize(device)  # torch's context current before the first driver call
         self._module, self._kernel = _compile_kernel(api, device)
         # Kernel argument arrays: cuLaunchKernel reads them through raw pointers, so they are
         # kept alive for as long as this object (captures copy them at launch).
         self._args: list[np.ndarray] = []
+        # The graph torch is capturing (outermost): every loop's conditional handle is created
+        # in it, nested loops' too, as NeMo's label-looping decoder does.
+        self._root: Any = None
+        self._depth = 0
 
     def _set_condition(self, handle: Any, flag: torch.Tensor, stream: torch.cuda.Stream) -> None:
         flag_ptr = np.array([flag.data_ptr()], dtype=np.uint64)
@@ -174,7 +179,9 @@ class WhileLoops:
         status, _, graph, *_ = check(rt.cudaStreamGetCaptureInfo(stream.cuda_stream))
         if status != rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive:
             raise CudaPythonError("a while node needs an active stream capture on the current stream")
-        (handle,) = check(rt.cudaGraphConditionalHandleCreate(graph, 0, 0))
+        if self._depth == 0:
+            self._root = graph
+        (handle,) = check(rt.cudaGraphConditionalHandleCreate(self._root, 0, 0))
         self._set_condition(handle, flag, stream)  # decides whether the loop is entered at all
         _, _, graph, deps, *_ = check(rt.cudaStreamGetCaptureInfo(stream.cuda_stream))
         params = drv.CUgraphNodeParams()
@@ -201,12 +208,14 @@ class WhileLoops:
         mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
         check(rt.cudaStreamBeginCaptureToGraph(body_stream.cuda_stream, body, None, None, 0, mode))
         ok = False
+        self._depth += 1
         try:
             with torch.cuda.stream(body_stream):
                 yield
                 self._set_condition(handle, flag, body_stream)  # decides whether to run again
             ok = True
         finally:
+            self._depth -= 1
             ended = rt.cudaStreamEndCapture(body_stream.cuda_stream)
         if ok:  # an exception from the body wins over the end-capture status
             check(ended)

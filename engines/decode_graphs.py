@@ -55,6 +55,13 @@ class DecodeMode(str, Enum):
 
 _NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: DecodeMode.EAGER}
 
+# What "auto" runs on CUDA. Unrolled: on the one GPU these modes have run on (H100, torch 2.11
+# cu130, cuda-bindings 13.3, 2026-11-22) unrolled gave every file's tokens as eager did, and the
+# full-graph capture SEGFAULTED in torch's capture_end (in the decoder tests and the bench):
+# a crash no fallback can catch, which would end the user's whole job. Full-graph stays on
+# request (`--decoder-mode full-graph`) until a GPU run shows it captures and agrees.
+AUTO_ON_CUDA = DecodeMode.UNROLLED
+
 
 def full_graph_unsupported() -> str | None:
     """Why the full-graph mode cannot run on this CUDA setup, or None."""
@@ -66,11 +73,14 @@ def full_graph_unsupported() -> str | None:
 
 
 def select_mode(requested: str | DecodeMode, device: torch.device | str) -> tuple[DecodeMode, str]:
-    """(mode to use, why). "auto" = the best the device supports; a graph mode that cannot run
-    here degrades to the best one that can. Raises ValueError for an unknown mode name."""
+    """(mode to use, why). "auto" = eager on the CPU, AUTO_ON_CUDA on CUDA; a graph mode that
+    cannot run here degrades to the best one that can. Raises ValueError for an unknown mode
+    name."""
     req = DecodeMode(requested)
     if torch.device(device).type != "cuda":
         return DecodeMode.EAGER, f"device is {torch.device(device).type}"
+    if req is DecodeMode.AUTO:
+        return AUTO_ON_CUDA, "auto"
     if req in (DecodeMode.EAGER, DecodeMode.UNROLLED):
         return req, "requested"
     reason = full_graph_unsupported()
@@ -274,7 +284,7 @@ class ModeSelection:
     def set_mode(self, requested: str | DecodeMode, device: torch.device | str) -> DecodeMode:
         mode, reason = select_mode(requested, device)
         req = DecodeMode(requested)
-        best = req if req is not DecodeMode.AUTO else DecodeMode.FULL_GRAPH
+        best = req if req is not DecodeMode.AUTO else AUTO_ON_CUDA
         cpu_auto = req is DecodeMode.AUTO and torch.device(device).type != "cuda"  # eager IS the best there
         if mode is not best and not cpu_auto:
             self._log_once(f"decoder mode {mode.value} (requested {req.value}): {reason}")

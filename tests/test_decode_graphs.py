@@ -127,7 +127,7 @@ def _missing_cuda_python():
 
 def test_missing_cuda_python_selects_unrolled_naming_the_extra(monkeypatch, caplog):
     monkeypatch.setattr(cuda_conditional, "import_cuda_python", _missing_cuda_python)
-    mode, reason = select_mode("auto", "cuda")
+    mode, reason = select_mode("full-graph", "cuda")
     assert mode is DecodeMode.UNROLLED
     assert "cuda-python" in reason and "transcribe[cuda]" in reason
     graphs = GraphDecoder(None, None, None)  # selection alone touches no module
@@ -136,6 +136,18 @@ def test_missing_cuda_python_selects_unrolled_naming_the_extra(monkeypatch, capl
             assert graphs.set_mode("full-graph", "cuda") is DecodeMode.UNROLLED
     lines = [r for r in caplog.records if r.name == "transcribe"]
     assert len(lines) == 1 and "transcribe[cuda]" in lines[0].getMessage()
+
+
+def test_auto_on_cuda_is_unrolled_even_where_conditional_nodes_are_supported(monkeypatch, caplog):
+    """The full-graph capture segfaulted on the one GPU it has run on (H100, torch 2.11, CUDA 13
+    bindings): "auto" must not pick it, only an explicit request does. Not a fallback: no log."""
+    monkeypatch.setattr(decode_graphs, "full_graph_unsupported", lambda: None)
+    assert select_mode("auto", "cuda") == (DecodeMode.UNROLLED, "auto")
+    assert select_mode("full-graph", "cuda")[0] is DecodeMode.FULL_GRAPH
+    graphs = GraphDecoder(None, None, None)
+    with caplog.at_level(logging.WARNING, logger="transcribe"):
+        assert graphs.set_mode("auto", "cuda") is DecodeMode.UNROLLED
+    assert not [r for r in caplog.records if r.name == "transcribe"]
 
 
 def test_old_cuda_python_is_a_reason():
@@ -361,7 +373,7 @@ def test_gpu_full_graph_capture_failure_falls_back_to_unrolled(monkeypatch, capl
 
     monkeypatch.setattr(cuda_conditional.WhileLoops, "while_loop", broken_while_loop)
     ref, dec = Reference("tdt_tiny"), _cuda_decoder("tdt_tiny")
-    assert dec.set_mode("auto") == "full-graph"
+    assert dec.set_mode("full-graph") == "full-graph"
     enc_proj, lengths = projected_batch(dec, ref, [0, 1, 2], device="cuda")
     with caplog.at_level(logging.WARNING, logger="transcribe"), torch.inference_mode():
         got = dec.graphs.decode(enc_proj, lengths)
@@ -374,5 +386,5 @@ def test_gpu_full_graph_capture_failure_falls_back_to_unrolled(monkeypatch, capl
 @pytest.mark.gpu
 def test_gpu_missing_cuda_python_still_decodes_unrolled(monkeypatch):
     monkeypatch.setattr(cuda_conditional, "import_cuda_python", _missing_cuda_python)
-    mode, reason = select_mode("auto", "cuda")
+    mode, reason = select_mode("full-graph", "cuda")
     assert mode is DecodeMode.UNROLLED and "transcribe[cuda]" in reason

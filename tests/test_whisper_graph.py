@@ -428,7 +428,7 @@ def test_gpu_full_graph_capture_failure_falls_back_to_unrolled(base, monkeypatch
     monkeypatch.setattr(cuda_conditional.WhileLoops, "while_loop", broken_while_loop)
     engine = _cuda_engine(torch.float32)
     dec = decoder_like(engine, DecodeOptions())
-    assert dec.set_mode("auto") == "full-graph"
+    assert dec.set_mode("full-graph") == "full-graph"
     audio = audio_states(engine, FILES[:3], "cuda")
     with caplog.at_level(logging.WARNING, logger="transcribe"):
         got = dec.decode_audio(audio)
