@@ -3,6 +3,8 @@
 # carried (made by bench/gpu/prepare_kit.sh). One stage per call, each sized to fit the tool's
 # 10 minutes (`--min-hours H`, default 1, shortens the bench stages for a quick first pass):
 #
+#   bash bench/gpu/on_device.sh probe           # full-graph capture variants, one process each
+#                                               # (while_loop_probe.py: which one segfaults)
 #   bash bench/gpu/on_device.sh tests           # GPU tests (-m gpu): every decoder mode, encoder
 #                                               # backend, the streaming kernel, against eager
 #   bash bench/gpu/on_device.sh tests-compile   # the slow torch.compile GPU test, alone
@@ -38,7 +40,7 @@ STAGES=()
 MIN_HOURS=1
 BUDGET=
 usage() {
-  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|stream|features|bench"
+  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|stream|features|bench"
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -47,7 +49,7 @@ while [ $# -gt 0 ]; do
     --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
     --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift 2 ;;
     --budget=*) BUDGET=${1#*=}; shift ;;
-    tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench|stream|features) STAGES+=("$1"); shift ;;
+    probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench|stream|features) STAGES+=("$1"); shift ;;
     *) usage ;;
   esac
 done
@@ -113,13 +115,18 @@ stage() {
   case $1 in
     tests)
       # GPU tests only (CPU tests run in CI); the torch.compile one has its own stage (minutes).
-      python3 -m pytest -q -m gpu -rs --durations=20 --deselect "$COMPILE_TEST" \
+      # xdist: a test that crashes its process (a segfault in a capture) is reported and the
+      # rest still run in a fresh worker.
+      python3 -m pytest -q -m gpu -rs --durations=20 -n 4 --deselect "$COMPILE_TEST" \
         tests/test_decode_graphs.py tests/test_encoder_backends_gpu.py \
         tests/test_stream_attention_triton.py tests/test_stream_pool_triton.py \
         tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
         tests/test_encoder_precision.py tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
         tests/test_whisper_fallback.py \
         2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    probe)
+      timeout 300 python3 bench/gpu/while_loop_probe.py 2>&1 | tee "$OUT/probe.log"
       ;;
     tests-compile)
       python3 -m pytest -q -m gpu -rs --durations=5 "$COMPILE_TEST" 2>&1 | tee "$OUT/gpu_tests_compile.log"
