@@ -248,6 +248,40 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     assert (stats.files_skipped, stats.files_ok, len(_rows(out2))) == (2, 3, 5)
 
 
+def test_a_file_that_changes_while_the_run_reads_it_is_redone_by_the_rerun(tmp_path, monkeypatch):
+    """A cron job picks up a recording still being copied in: the worker reads part of it, the
+    copy then completes. Its results.jsonl line must carry the size and mtime from before the
+    read, so the rerun sees the file changed and transcribes it again; logged with the size at
+    the write, the partial transcript was 'done' for good."""
+    import transcribe.output_writer as output_writer
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 3)
+    growing = inp / "f01.flac"
+    before = growing.stat()
+    real_flush = output_writer.OutputWriter.flush
+
+    def copy_completes(self):  # by the time the transcripts are written, the file has changed
+        if growing.stat().st_mtime_ns == before.st_mtime_ns:
+            os.utime(growing, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+        real_flush(self)
+
+    monkeypatch.setattr(output_writer.OutputWriter, "flush", copy_completes)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1)
+    assert stats.files_ok == 3
+    row = {Path(r["audio_filepath"]).name: r for r in _rows(out)}["f01.flac"]
+    assert (row["size"], row["mtime"]) == (before.st_size, before.st_mtime_ns)
+    monkeypatch.setattr(output_writer.OutputWriter, "flush", real_flush)
+    stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1)
+    assert (stats.files_skipped, stats.files_ok) == (2, 1)
+    assert {Path(r["audio_filepath"]).name for r in _rows(out)} == {"f00.flac", "f01.flac", "f02.flac"}
+    _assert_clean(out)
+
+
 def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, capsys):
     """The model runs out of memory on batches of more than 2 pieces and raises on one piece
     whatever its batch: every other file is transcribed as in a plain run, the bad piece's file

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from transcribe.inputs import InputFile
 from transcribe.results import Result
-from transcribe.resume import file_identity
 from transcribe.writers import STOP_ERRNOS, ResultsLog, StagedWrites, write_outputs
 
 
@@ -29,8 +28,12 @@ class OutputWriter:
     """One run's writing: `stats` (pipeline.RunStats) counts what is written, `bar` steps."""
 
     def __init__(self, out_dir: Path, formats: list[str], stems: dict[Path, Path], log: ResultsLog, model: str,
-                 settings: dict[str, str], stats, bar):
+                 settings: dict[str, str], stats, bar, identities: dict[Path, dict]):
         self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
+        # Each input's size and mtime from before any worker read it (by InputFile.key): a file
+        # still growing or replaced while the run read it is logged with what it was then, so
+        # a rerun sees the change and does it again (taken at the write, it matched for good).
+        self.identities = identities
         # What a rerun compares besides the model (engine_api.Engine.settings); none: no key.
         self.made_by = {"model": model, **({"settings": settings} if settings else {})}
         self.stats, self.bar = stats, bar
@@ -68,7 +71,7 @@ class OutputWriter:
                 self._cannot_write(file, failed[stem])
                 continue
             self._log({**_names(file), "duration": round(seconds, 3), "text": result.text,
-                       "status": "ok", "error": None, **self.made_by, **file_identity(file.path)})
+                       "status": "ok", "error": None, **self.made_by, **self.identities[file.key]})
             self.stats.files_ok += 1
             self.stats.audio_seconds += seconds
             self.stats.texts[file.key] = result.text
@@ -81,7 +84,7 @@ class OutputWriter:
     def fail(self, file: InputFile, error: str) -> None:
         print(f"error: {error}", file=sys.stderr)
         self._log({**_names(file), "duration": None, "text": "", "status": "error",
-                   "error": error, **self.made_by, **file_identity(file.path)})
+                   "error": error, **self.made_by, **self.identities[file.key]})
         self.stats.files_failed += 1
         self.bar.step()
 

@@ -35,7 +35,7 @@ from transcribe.engine_api import Engine, Frontend
 from transcribe.inputs import InputFile, output_stems
 from transcribe.output_writer import OutputWriter
 from transcribe.results import Result
-from transcribe.resume import out_dir_lock, plan_resume, sweep_leftovers
+from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
@@ -154,7 +154,9 @@ class _Job:
     def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], out_dir: Path,
                  formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
         self.engine, self.stats = engine, stats
-        self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar)
+        identities = {f.key: file_identity(f.path) for f in todo}  # before any worker opens one
+        self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
+                                    identities)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
         self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 
