@@ -243,6 +243,46 @@ def test_pyav_decodes_audio_and_reports_a_missing_stream(tmp_path):
         AudioStream(tmp_path / "v.mp4", SR)
 
 
+def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypatch):
+    """A half-copied MP3 keeps its header's full length, and libsndfile decoded what was there
+    as a whole file; Ogg files joined end to end (a chained stream) lost all but the first part.
+    Now the first is an error naming the file and both lengths, the second goes through PyAV."""
+    import sys
+
+    from transcribe.decode import AudioError
+
+    rng = np.random.default_rng(5)
+    a, b = (rng.uniform(-0.3, 0.3, n).astype(np.float32) for n in (3 * SR, 2 * SR))
+    sf.write(tmp_path / "a.mp3", a, SR, format="MP3")
+    whole = (tmp_path / "a.mp3").read_bytes()
+    (tmp_path / "half.mp3").write_bytes(whole[: len(whole) // 2])
+    with AudioStream(tmp_path / "a.mp3", SR) as stream:
+        assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
+    with pytest.raises(AudioError, match=r"half\.mp3: truncated: the header promises 3\.0 s, the file holds 1\.[0-9] s"):
+        with AudioStream(tmp_path / "half.mp3", SR) as stream:
+            list(stream.blocks())
+    for name, x in (("a.ogg", a), ("b.ogg", b)):
+        sf.write(tmp_path / name, x, SR, format="OGG", subtype="VORBIS")
+    (tmp_path / "ab.ogg").write_bytes((tmp_path / "a.ogg").read_bytes() + (tmp_path / "b.ogg").read_bytes())
+    if _has_av():
+        with AudioStream(tmp_path / "ab.ogg", SR) as stream:
+            n = sum(x.shape[0] for x in stream.blocks())
+        assert abs(n - (a.shape[0] + b.shape[0])) < 0.05 * SR  # both links, not 3 s of 5
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
+    with pytest.raises(AudioError, match=r"reading a chained Ogg stream \(several joined\) needs PyAV"):
+        AudioStream(tmp_path / "ab.ogg", SR)
+    with AudioStream(tmp_path / "a.ogg", SR) as stream:  # one link: libsndfile, as before
+        assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
+
+
+def _has_av() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def test_a_segment_decodes_the_samples_of_its_span(tmp_path):
     """`span` (start s, length s or to the end): the same samples as the whole file decoded
     and sliced (soundfile seeks; a longer span stops at the end; one past it is an error)."""

@@ -28,6 +28,15 @@ BLOCK_BYTES = 1 << 21  # ~2 MB of decoded float32 per block, whatever the channe
 # libsndfile's log for a WAV whose data chunk promises more bytes than the file holds.
 _SHORT_DATA = re.compile(r"^data\s*:\s*(\d+) \(should be (\d+)\)", re.MULTILINE)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation
+# A chained Ogg stream (files joined end to end), of which libsndfile decodes only the first
+# link: its frame count is SF_COUNT_MAX (unknown) when the links' serial numbers differ, and it
+# logs junk after the first link when they are equal (joined copies of one encoder's output).
+_UNKNOWN_FRAMES = 2**63 - 1
+_OGG_JUNK = "Ogg: Junk after the last page"
+# Decoding ending this far short of the header's length is a cut-off file (a half-copied MP3
+# keeps its Xing header's full count). The slack covers MP3s without one, whose count
+# libsndfile estimates from the file size: within ~2.5 % on our Common Voice files.
+SHORT_FRACTION, SHORT_SECONDS = 0.05, 1.0
 
 
 class AudioStream:
@@ -46,6 +55,9 @@ class AudioStream:
         self.samples = 0
         use_av = self.path.suffix.lower() in AV_EXTENSIONS
         self._source = _AvSource(self.path) if use_av else _SoundfileSource(self.path)
+        if isinstance(self._source, _SoundfileSource) and self._source.chained:
+            self._source.close()
+            self._source = _AvSource(self.path, "a chained Ogg stream (several joined)")
         rate, channels = self._source.rate, self._source.channels
         reason = None
         if not MIN_RATE <= rate <= MAX_RATE:
@@ -135,6 +147,9 @@ class _SoundfileSource:
             raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
                                    f"the file holds {short.group(2)}")
 
+        self._at = 0  # the frame the next read starts at
+        self.chained = self.frames == _UNKNOWN_FRAMES or _OGG_JUNK in self._f.extra_info
+
     def seek(self, frame: int) -> int:
         """Start reading at `frame` (clamped to the file); returns the frames skipped."""
         frame = min(frame, self.frames)
@@ -142,6 +157,7 @@ class _SoundfileSource:
             self._f.seek(frame)
         except (sf.SoundFileError, RuntimeError) as e:
             raise _open_error(self.path, e) from e
+        self._at = frame
         return frame
 
     def mono_blocks(self) -> Iterator[np.ndarray]:
@@ -153,7 +169,11 @@ class _SoundfileSource:
             except (sf.SoundFileError, RuntimeError, OSError) as e:
                 # Corrupt or truncated compressed streams fail here ("flac decoder lost sync").
                 raise _open_error(self.path, e) from e
+            self._at += got.shape[0]
             if got.shape[0] == 0:
+                if self.frames - self._at > max(SHORT_FRACTION * self.frames, SHORT_SECONDS * self.rate):
+                    raise AudioError(self.path, f"truncated: the header promises {self.frames / self.rate:.1f} s, "
+                                                f"the file holds {self._at / self.rate:.1f} s")
                 return
             # A fresh array either way: `buf` is reused for the next block.
             yield got[:, 0].copy() if self.channels == 1 else got.mean(axis=1, dtype=np.float32)
@@ -171,13 +191,15 @@ def _import_av():
 
 
 class _AvSource:
-    """PyAV (FFmpeg) for containers libsndfile cannot read; samples converted to float32."""
+    """PyAV (FFmpeg) for containers libsndfile cannot read, and chained Ogg streams, which it
+    reads only in part; samples converted to float32."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, what: str | None = None):
         self.path = path
         self.av = _import_av()
         if self.av is None:
-            raise AudioError(path, f"reading {path.suffix} files needs PyAV: pip install 'transcribe[av]'")
+            what = what or f"{path.suffix} files"
+            raise AudioError(path, f"reading {what} needs PyAV: pip install 'transcribe[av]'")
         try:
             self._c = self.av.open(str(path))
         except (self.av.FFmpegError, OSError) as e:
