@@ -282,6 +282,29 @@ def test_a_file_that_changes_while_the_run_reads_it_is_redone_by_the_rerun(tmp_p
     _assert_clean(out)
 
 
+def test_a_folder_that_cannot_be_listed_fails_in_the_job_and_the_rest_is_transcribed(tmp_path):
+    """A folder past the system's 4096-byte path limit (tests/test_inputs.py makes the same):
+    the job logs it failed with the reason, transcribes the rest and exits 3 (it stopped with
+    a traceback while sorting the inputs by their audio headers)."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 2)
+    fd = os.open(inp, os.O_RDONLY)
+    for i in range(22):
+        name = f"{i:02d}" + "L" * 198
+        os.mkdir(name, dir_fd=fd)
+        inner = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--format", "txt")
+    _, stderr = p.communicate(timeout=300)
+    assert p.returncode == 3, stderr
+    rows = _rows(out)
+    assert sorted(r["status"] for r in rows) == ["error", "ok", "ok"]
+    assert "cannot list this folder (File name too long)" in [r for r in rows if r["status"] == "error"][0]["error"]
+    _assert_clean(out)
+
+
 def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, capsys):
     """The model runs out of memory on batches of more than 2 pieces and raises on one piece
     whatever its batch: every other file is transcribed as in a plain run, the bad piece's file

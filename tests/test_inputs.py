@@ -200,3 +200,26 @@ def test_linked_files_and_folders_keep_the_names_the_user_gave(tmp_path):
     m.write_text(json.dumps({"audio_filepath": "data/utt1.flac"}) + "\n")
     (f,) = discover([str(m)])
     assert f.path == tmp_path / "ml" / "data" / "utt1.flac" and f.stem == Path("data/utt1")
+
+
+def test_a_folder_that_cannot_be_listed_is_a_failed_input_not_skipped_silently(tmp_path):
+    """os.walk skips a folder it cannot list: one at a path over the system's 4096 bytes (deep
+    trees of long names), or one without read permission. Its audio was simply missing from the
+    job, with no line and no message; now the folder is an input that fails with the reason."""
+    import os
+
+    (tmp_path / "a.wav").write_bytes(b"")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    for i in range(22):  # 22 x 200-byte names: the innermost folders' paths pass 4096 bytes
+        name = f"{i:02d}" + "L" * 198
+        os.mkdir(name, dir_fd=fd)
+        inner = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(os.open("deep.wav", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+    files = discover([str(tmp_path)])
+    assert [f.rel for f in files if f.problem is None] == [Path("a.wav")]
+    failed = [f for f in files if f.problem is not None]
+    assert failed and all("cannot list this folder (File name too long)" in f.problem for f in failed)
+    assert all(f.problem.startswith(str(f.path)) for f in failed)

@@ -127,7 +127,8 @@ def _walk(root: Path) -> list[InputFile]:
     back up the tree (`data/all -> ..`) would otherwise be walked again at every level."""
     out = []
     seen: set[tuple[int, int]] = set()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+    unlisted: list[OSError] = []  # folders os.walk could not list (it skips them silently)
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True, onerror=unlisted.append):
         try:
             st = os.stat(dirpath)
         except OSError:  # gone since it was listed
@@ -142,6 +143,10 @@ def _walk(root: Path) -> list[InputFile]:
             if Path(name).suffix.lower() in AUDIO_EXTENSIONS and not name.startswith("."):
                 full = Path(dirpath) / name
                 out.append(InputFile(absolute(full), full.relative_to(root)))
+    for e in unlisted:  # each a failed input: its audio would otherwise be missed unnoticed
+        folder = Path(e.filename) if e.filename else root
+        reason = f"cannot list this folder ({e.strerror or e}): audio files in it are not transcribed"
+        out.append(InputFile(absolute(folder), Path(folder.name), problem=f"{folder}: {reason}"))
     return out
 
 

@@ -136,7 +136,7 @@ def _signals_raise() -> Iterator[None]:
 def _header_seconds(path: Path) -> float:
     try:
         return audio_info(path)[0]
-    except AudioError:
+    except (AudioError, OSError):  # OSError: a path the system refuses (too long): it fails later
         return 0.0
 
 
