@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 
+from transcribe import heap
 from transcribe.audio import AudioError, audio_info
 from transcribe.batching import Batcher, PaddingStats
 from transcribe.engine_api import Engine, Frontend
@@ -223,6 +224,7 @@ class _Job:
             outcomes = self._transcribe(batch, slab)
         finally:
             pool.release([p.slot for p in batch])
+            heap.trim()  # what the batch's tensors freed goes back to the system
         failed: dict[int, str] = {}
         for p, r in zip(batch, outcomes):
             if isinstance(r, str) and p.fid in self.files:

@@ -21,6 +21,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from transcribe import heap
 from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionBase, SessionState
@@ -330,6 +331,7 @@ class StreamServer:
                     self._notify_admitted()
                 self.steps += 1
                 self._deliver(sched.apply(sessions, hyps))
+                heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
             self._deliver(sched.finish_idle())
 
     def _deliver(self, results) -> None:
