@@ -24,6 +24,12 @@ after a warm-up, with the device synchronised around the timed span; speed-up vs
 The NeMo peer runs `bench/nemo_peer.py --device cuda` in `--nemo-python` (an interpreter
 with nemo_toolkit) on the same repeated manifest.
 
+Warm-up (`--warmup-files`, default 100: test-other's files once): before the timed runs, the
+first configuration runs once, untimed, on that many files, and the NeMo peer transcribes as
+many untimed before its timed call. A process's first pass over new shapes loads CUDA kernels
+lazily and sets up cuBLAS/cuDNN; without the warm-up the first run made (our baseline, and
+NeMo in its own process) paid that and later runs did not (the 2026-11-22 H100 figures).
+
 `--json` is rewritten (atomically) after every run, so a run cut off by a time limit keeps what
 finished ("complete": false until the end). Subsets fit one 10-minute device call each: empty
 `--backends/--modes/--features-on/--dtypes` lists drop those axes, `--no-baseline` drops the
@@ -165,7 +171,7 @@ def features_on_summary(runs: list[dict], backend: str) -> dict:
 def nemo_peer(a, manifest: Path, out: Path, dtype: str) -> dict | None:
     cmd = [a.nemo_python, str(Path(__file__).with_name("nemo_peer.py")), "--model", a.model, "--manifest",
            str(manifest), "--device", a.device, "--batch-size", str(a.nemo_batch_size), "--dtype", dtype,
-           "--json", str(out)]
+           "--warmup", str(a.warmup_files), "--json", str(out)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:  # e.g. no such interpreter
@@ -238,6 +244,8 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true",
                     help="skip the torch/eager run (mismatches then count against the first run made)")
     ap.add_argument("--no-decoder-only", action="store_true", help="skip the decoder-only timing")
+    ap.add_argument("--warmup-files", type=int, default=100,
+                    help="untimed files run first, by us and by the NeMo peer (0: none)")
     ap.add_argument("--batch-seconds", type=float, default=600.0)
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--decoder-reps", type=int, default=5)
@@ -278,6 +286,14 @@ def main() -> int:
             + [(default_backend, "auto", f, "float32") for f in _list(a.features_on)]
             + [(default_backend, "auto", "workers", d) for d in dtypes])
         base = None
+        if configs and a.warmup_files:
+            warm = Path(tmp) / "warmup.jsonl"
+            warm.write_text("".join(manifest.read_text().splitlines(keepends=True)[: a.warmup_files]))
+            try:
+                pipeline_run(a.model, warm, *configs[0], a)
+            except (RuntimeError, ValueError, ImportError) as e:  # the timed run reports it
+                print(f"warm-up: {e}", file=sys.stderr)
+            report["warmup_files"] = a.warmup_files
         for backend, mode, features_on, dtype in dict.fromkeys(configs):
             try:
                 res = pipeline_run(a.model, manifest, backend, mode, features_on, dtype, a)

@@ -128,6 +128,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                     help="CUDA only: autocast dtype for transcribe() (weights stay fp32)")
     ap.add_argument("--repeat", type=int, default=1, help="transcribe the manifest's files this many times")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="transcribe the first N files untimed first (kernel loading, cuBLAS/cuDNN set-up)")
     a = ap.parse_args()
 
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -176,6 +178,12 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
     dtype = getattr(torch, a.dtype)
     autocast = torch.autocast("cuda", dtype=dtype, enabled=cuda and dtype != torch.float32)
+    if a.warmup:
+        with torch.inference_mode(), autocast:
+            model.transcribe(paths[: a.warmup], batch_size=a.batch_size, verbose=False)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.inference_mode(), autocast:
         out = model.transcribe(paths, batch_size=a.batch_size, verbose=False)
@@ -205,6 +213,7 @@ def main() -> int:
         "rtfx_steady": round(audio_s / transcribe_s, 3) if transcribe_s > 0 else None,
         "batch_size": a.batch_size,
         "threads": torch.get_num_threads(),
+        "warmup_files": min(a.warmup, len(paths)),
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
