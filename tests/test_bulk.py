@@ -365,13 +365,14 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_
     _copies(inp, 2)
     model = str(Reference("tdt_tiny").nemo)
     with out_dir_lock(out):
-        (out / ".f00.txt.abcd1234.tmp").write_text("a live run's half-written output")
+        (out / ".f00.txt.transcribe-abcd1234.tmp").write_text("a live run's half-written output")
         busy = subprocess.run([sys.executable, "-m", "transcribe.cli", str(inp), "--model", model, "--out", str(out)],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert busy.returncode == 1, busy.stderr
         assert f"in use by another transcribe run (pid {os.getpid()})" in busy.stderr
         assert "model:" not in busy.stderr  # found before the model loads (minutes for a big one)
-        assert (out / ".f00.txt.abcd1234.tmp").exists() and not (out / "results.jsonl").exists()
+        assert (out / ".f00.txt.transcribe-abcd1234.tmp").exists() and not (out / "results.jsonl").exists()
+        (out / ".notes.abcd1234.tmp").write_text("another program's temporary file")
         (tmp_path / "shard").mkdir()
         (tmp_path / "shard" / "results.jsonl").write_text("")
         merge = subprocess.run([sys.executable, "-m", "transcribe.cli", "merge", str(tmp_path / "shard"),
@@ -382,6 +383,8 @@ def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert len(_rows(out)) == 2 and (out / LOCK_NAME).exists()
+    assert (out / ".notes.abcd1234.tmp").read_text() == "another program's temporary file"  # not ours: kept
+    (out / ".notes.abcd1234.tmp").unlink()
     _assert_clean(out)  # the dead run's temporary file was swept once the folder was free
 
 

@@ -18,9 +18,10 @@ from typing import Callable, Iterator
 
 from transcribe.inputs import InputFile, record_key
 from transcribe.shm import sweep_stale
-from transcribe.writers import atomic_write_text, read_results, results_line
+from transcribe.writers import TEMP_MARK, atomic_write_text, read_results, results_line
 
-_TEMP_OUTPUT = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")  # writers.atomic_write_text's temp names
+# writers.StagedWrites' temporary names only: a look-alike (`.notes.abcd1234.tmp`) is the user's.
+_TEMP_OUTPUT = re.compile(rf"^\..+\.{re.escape(TEMP_MARK)}[a-z0-9_]{{8}}\.tmp$")
 LOCK_NAME = ".transcribe.lock"
 
 

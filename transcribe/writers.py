@@ -95,6 +95,7 @@ def _umask() -> int:
 # Write errors that every later write would hit too: they stop a run instead of failing files.
 STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
+TEMP_MARK = "transcribe-"  # in every temporary output's name: .NAME.transcribe-XXXXXXXX.tmp
 # mkstemp creates its files 0600; outputs get the mode a plain open() would give them.
 FILE_MODE = 0o666 & ~_umask()  # read once, at import (os.umask can only be read by setting it)
 
@@ -139,7 +140,8 @@ class StagedWrites:
         path.parent.mkdir(parents=True, exist_ok=True)
         # The temporary name starts with at most 32 characters of the final one: the whole name
         # plus mkstemp's 14 would pass the 255-byte limit for a final name that fits it.
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp", dir=path.parent)
+        # `TEMP_MARK` tells ours apart, so the startup sweep deletes no one else's temp file.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.{TEMP_MARK}", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), FILE_MODE)
