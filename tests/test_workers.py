@@ -275,6 +275,48 @@ def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypat
         assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
 
 
+def test_the_hang_timeout_allows_for_no_more_audio_than_the_file_can_hold(tmp_path):
+    """A header can claim any length (a corrupt MP3's frame count): the worker's hang timeout
+    (FileTimeout.limit of what it reports at "start") must stay finite and follow the size."""
+    from transcribe.decode import MIN_BYTES_PER_SECOND
+
+    sf.write(tmp_path / "a.wav", np.zeros(3 * SR, np.float32), SR)
+    with AudioStream(tmp_path / "a.wav", SR) as stream:
+        assert stream.timeout_seconds == stream.duration == 3.0  # a true header: its own length
+        stream.duration = 9.2e14  # what libsndfile reports for a length it cannot tell
+        size = (tmp_path / "a.wav").stat().st_size
+        assert stream.timeout_seconds == size / MIN_BYTES_PER_SECOND < 1000
+
+
+def test_a_worker_reports_the_bounded_length_at_start(tmp_path, monkeypatch):
+    import transcribe.decode as decode
+    from transcribe import preprocess
+
+    real_init = decode.AudioStream.__init__
+
+    def lying_header(self, *a, **k):
+        real_init(self, *a, **k)
+        self.duration = 9.2e14
+
+    monkeypatch.setattr(decode.AudioStream, "__init__", lying_header)
+    sf.write(tmp_path / "a.wav", np.zeros(SR, np.float32), SR)
+    sent = []
+
+    class Conn:  # the worker's pipe: records what it sends, grants every slot it asks for
+        def send(self, msg):
+            sent.append(msg)
+
+        def recv(self):
+            return ("slot", len(sent) % 2)
+
+    fe = ToyFrontend()
+    with Slab.create(2, fe.n_mels * fe.max_frames) as slab:
+        end = preprocess._one_file(Conn(), slab, fe, 7, str(tmp_path / "a.wav"))
+    assert end[0] == "done", end
+    start = next(m for m in sent if m[0] == "start")
+    assert start[1] == 7 and start[2] == (tmp_path / "a.wav").stat().st_size / decode.MIN_BYTES_PER_SECOND
+
+
 def _has_av() -> bool:
     try:
         import av  # noqa: F401

@@ -37,6 +37,9 @@ _OGG_JUNK = "Ogg: Junk after the last page"
 # keeps its Xing header's full count). The slack covers MP3s without one, whose count
 # libsndfile estimates from the file size: within ~2.5 % on our Common Voice files.
 SHORT_FRACTION, SHORT_SECONDS = 0.05, 1.0
+# Fewer bytes per second of audio than any speech codec needs (2.4 kbps is 300 B/s): what a
+# file's size can hold at this rate bounds the length its header claims, for the hang timeout.
+MIN_BYTES_PER_SECOND = 100
 
 
 class AudioStream:
@@ -71,6 +74,18 @@ class AudioStream:
         if span is not None:
             start, length = span
             self.duration = max(0.0, min(self.duration - start, length if length is not None else math.inf))
+
+    @property
+    def timeout_seconds(self) -> float:
+        """The audio length the worker's hang timeout allows for: `duration`, but at most what
+        the file's size can hold. A header may claim anything (a corrupt MP3's frame count, a
+        stream whose length is unknown), and a decoder stuck on such a file must still time out
+        rather than hold its worker, and the job, forever."""
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return self.duration
+        return min(self.duration, size / MIN_BYTES_PER_SECOND)
 
     def __enter__(self) -> "AudioStream":
         return self

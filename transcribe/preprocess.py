@@ -5,7 +5,7 @@ pauses (`segmenting.PieceCutter`), and each piece's features (the engine's `fron
 written into a slot the main process granted; a `Piece` descriptor goes back over the pipe.
 Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, then
 ("file", fid, path, span: (start s, length s) of a segment or None), ("slot", slot), ("stop",);
-(worker -> main): ("ready",) once, then per file ("start", fid, header seconds), ("slot?",), ("piece", Piece),
+(worker -> main): ("ready",) once, then per file ("start", fid, header seconds bounded by the file's size), ("slot?",), ("piece", Piece),
 ("done", fid, n_pieces, samples, stage seconds), ("error", fid, reason, stage seconds).
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _one_file(conn, slab: Slab, frontend, fid: int, path: str, span=None) -> tup
     stages: dict[str, float] = defaultdict(float)
     try:
         with AudioStream(path, frontend.sample_rate, span=span) as stream:
-            conn.send(("start", fid, stream.duration))
+            conn.send(("start", fid, stream.timeout_seconds))
             n = _pieces(conn, slab, frontend, fid, stream, stages)
         return ("done", fid, n, stream.samples, dict(stages))
     except AudioError as e:
