@@ -48,7 +48,7 @@ class InputFile:
     def key(self) -> Path:
         """What tells this input apart: its path, with `@OFFSET` for a segment (results.jsonl's
         `audio_filepath` and `offset` name it the same way, `record_key`)."""
-        return self.path if self.offset is None else Path(f"{self.path}@{float(self.offset)!r}")  # exact
+        return _key(self.path, self.offset)
 
     @property
     def span(self) -> tuple[float, float | None] | None:
@@ -58,8 +58,11 @@ class InputFile:
 
 def record_key(record: dict) -> Path:
     """The `InputFile.key` of a results.jsonl record."""
-    offset = record.get("offset")
-    return Path(record["audio_filepath"] if offset is None else f"{record['audio_filepath']}@{float(offset)!r}")
+    return _key(record["audio_filepath"], record.get("offset"))
+
+
+def _key(path: str | Path, offset: float | None) -> Path:
+    return Path(path) if offset is None else Path(f"{path}@{float(offset)!r}")  # repr: exact
 
 
 def absolute(path: Path) -> Path:

@@ -30,9 +30,8 @@ class OutputWriter:
     def __init__(self, out_dir: Path, formats: list[str], stems: dict[Path, Path], log: ResultsLog, model: str,
                  settings: dict[str, str], stats, bar, identities: dict[Path, dict]):
         self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
-        # Each input's size and mtime from before any worker read it (by InputFile.key): a file
-        # still growing or replaced while the run read it is logged with what it was then, so
-        # a rerun sees the change and does it again (taken at the write, it matched for good).
+        # Each input path's size and mtime from before any worker read it (pipeline.run): taken
+        # at the write, a file still growing while the run read it matched for good.
         self.identities = identities
         # What a rerun compares besides the model (engine_api.Engine.settings); none: no key.
         self.made_by = {"model": model, **({"settings": settings} if settings else {})}
@@ -71,7 +70,7 @@ class OutputWriter:
                 self._cannot_write(file, failed[stem])
                 continue
             self._log({**_names(file), "duration": round(seconds, 3), "text": result.text,
-                       "status": "ok", "error": None, **self.made_by, **self.identities[file.key]})
+                       "status": "ok", "error": None, **self.made_by, **self.identities[file.path]})
             self.stats.files_ok += 1
             self.stats.audio_seconds += seconds
             self.stats.texts[file.key] = result.text
@@ -84,7 +83,7 @@ class OutputWriter:
     def fail(self, file: InputFile, error: str) -> None:
         print(f"error: {error}", file=sys.stderr)
         self._log({**_names(file), "duration": None, "text": "", "status": "error",
-                   "error": error, **self.made_by, **self.identities[file.key]})
+                   "error": error, **self.made_by, **self.identities[file.path]})
         self.stats.files_failed += 1
         self.bar.step()
 

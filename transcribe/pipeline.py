@@ -96,8 +96,12 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
     with out_dir_lock(out_dir):  # OutputBusy if another run writes there
         sweep_leftovers(out_dir)
         stems = output_stems(files)
+        # Each file's size and mtime, once, before any worker opens it: what resume compares with
+        # the log, and what the log records. A file still growing or replaced while the run
+        # reads it is logged as it was here, so the next run sees the change and does it again.
+        identities = {f.path: file_identity(f.path) for f in files}
         todo, stats.files_skipped = plan_resume(
-            files, out_dir / "results.jsonl", force, model=engine.name, settings=engine.settings,
+            files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
             written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.key], formats).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
@@ -106,7 +110,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         try:
             with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
                 if todo:
-                    job = _Job(engine, todo, stems, out_dir, formats, log, stats, bar)
+                    job = _Job(engine, todo, stems, identities, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
             bar.close()
@@ -152,10 +156,9 @@ class _File:
 class _Job:
     """One run's moving parts: the pool's events in, batches through the engine, files out."""
 
-    def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], out_dir: Path,
-                 formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
+    def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], identities: dict[Path, dict],
+                 out_dir: Path, formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
         self.engine, self.stats = engine, stats
-        identities = {f.key: file_identity(f.path) for f in todo}  # before any worker opens one
         self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
                                     identities)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed

@@ -64,10 +64,11 @@ def file_identity(path: Path) -> dict:
     return {"size": st.st_size, "mtime": st.st_mtime_ns}
 
 
-def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str | None = None,
-                settings: dict[str, str] | None = None,
+def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities: dict[Path, dict],
+                model: str | None = None, settings: dict[str, str] | None = None,
                 written: Callable[[InputFile], bool] = lambda f: True) -> tuple[list[InputFile], int]:
-    """Drop files already done (same path, size, mtime, status ok, by `model` and with
+    """Drop files already done (same path, size and mtime as `identities` holds for it, the
+    run's `file_identity` of each input path, status ok, by `model` and with
     `settings` when given, so a rerun with another model, or Whisper with another --language
     or --task, transcribes again rather than keep the old text, and
     `written`: the outputs this run asks for exist, so a rerun with `--format srt` after a
@@ -79,7 +80,7 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, model: str 
     done = set()
     if not force:
         for r, key in zip(records, keys):
-            if r.get("status") == "ok" and key in by_key and file_identity(Path(r["audio_filepath"])) == {
+            if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
                 "size": r.get("size"), "mtime": r.get("mtime")
             } and (model is None or r.get("model") == model) and (
                 settings is None or r.get("settings", {}) == settings
