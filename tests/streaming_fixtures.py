@@ -12,6 +12,7 @@ from conftest import NEMO_REF
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.server import ServerConfig, StreamServer
 from transcribe.streaming.session import SessionState
+from transcribe.streaming.transcript import Update, join_texts
 
 VARIANT = NEMO_REF / "rnnt_streaming_tiny"
 
@@ -34,6 +35,24 @@ def files() -> list[dict]:
     return out
 
 
+class RunningText:
+    """One stream's transcript so far after each update (what a client shows: the committed
+    segments, then the open tail). At the final it checks that the segments and the tail
+    joined are the final's text and words, built at once over every token."""
+
+    def __init__(self):
+        self.texts, self.words = [], []
+
+    def __call__(self, update: Update) -> str:
+        self.texts += [seg.text for seg in update.segments]
+        self.words += [w for seg in update.segments for w in seg.words]
+        so_far = join_texts([*self.texts, update.open.text])
+        if update.final is not None:
+            assert so_far == update.final.text
+            assert self.words + update.open.words == update.final.words
+        return so_far
+
+
 def stream_alone(model: StreamingModel, audio, piece: int, after_step=None):
     """The whole file through one session of its own in `piece`-sample pieces, all pushed, then
     stepped to the end; `after_step(pool)` runs after every step. -> (session, partial texts)."""
@@ -42,9 +61,9 @@ def stream_alone(model: StreamingModel, audio, piece: int, after_step=None):
     for i in range(0, audio.shape[0], piece):
         s.push_audio(audio[i: i + piece])
     s.end()
-    texts = []
+    texts, running = [], RunningText()
     while s.state == SessionState.ACTIVE:
-        texts += [r.text for _, r, _ in sched.run_once()]
+        texts += [running(u) for _, u in sched.run_once()]
         if after_step is not None:
             after_step(sched.pool)
     return s, texts
@@ -76,6 +95,7 @@ def drive_staggered(sched: Scheduler, samples: list, paces: list[int], inspect, 
     tick steps whoever has work (`inspect(batch)` sees each batch the pool steps). Returns the
     sessions and each stream's result texts, once every stream is done."""
     sessions, cursor, texts = {}, {}, {i: [] for i in range(len(samples))}
+    running = {i: RunningText() for i in range(len(samples))}
     for tick in range(max_ticks):
         if tick < len(samples):
             sessions[tick], cursor[tick] = sched.open(f"s{tick}"), 0
@@ -88,8 +108,9 @@ def drive_staggered(sched: Scheduler, samples: list, paces: list[int], inspect, 
                     s.end()
         stepped, batch = sched.collect()
         inspect(batch)
-        for s, r, _ in sched.apply(stepped, sched.pool.step(batch)) + sched.finish_idle():
-            texts[int(s.stream_id[1:])].append(r.text)
+        for s, u in sched.apply(stepped, sched.pool.step(batch)) + sched.finish_idle():
+            i = int(s.stream_id[1:])
+            texts[i].append(running[i](u))
         if len(sessions) == len(samples) and all(s.state == SessionState.DONE for s in sessions.values()):
             break
     return sessions, texts

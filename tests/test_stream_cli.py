@@ -64,7 +64,30 @@ def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
         _, err = server.communicate(timeout=60)
         assert server.returncode == 130 and "Traceback" not in err and "Error" not in err, err
         rest = reader.read()  # the connection was closed, not left hanging
-        assert all(json.loads(l)["type"] in ("partial", "final", "error") for l in rest.splitlines())
+        assert all(json.loads(l)["type"] in ("segment", "partial", "final", "error") for l in rest.splitlines())
         client.close()
     finally:
         server.kill()
+
+
+def test_stream_prints_segments_partials_and_the_final_as_the_server_sends_them():
+    """`transcribe stream --json`: the server's messages (no stream id), in order; the summary's
+    text is the final's, and the segments and the last partial joined make it up."""
+    from transcribe.streaming.cli_commands import stream_file
+    from transcribe.streaming.transcript import join_texts
+
+    lines: list[str] = []
+    audio = SPEECH / "longform" / "librispeech_test-other_1688-142285_concat.flac"
+    summary = stream_file(audio, str(NEMO_REF / "tdt_tiny" / "model.nemo"), as_json=True, echo=lines.append,
+                          chunk_ms=2000, left_ms=4000, right_ms=500)
+    msgs = [json.loads(line) for line in lines]
+    assert all("stream_id" not in m for m in msgs)
+    assert [m["type"] for m in msgs][-1] == "final" and msgs[-1]["text"] == summary["text"]
+    segments = [m["text"] for m in msgs if m["type"] == "segment"]
+    last_partial = [m for m in msgs if m["type"] == "partial"][-1]
+    assert len(segments) >= 3 and last_partial["index"] <= len(segments)  # the last step may commit more
+    assert summary["text"].startswith(join_texts(segments))
+    text_lines: list[str] = []
+    stream_file(audio, str(NEMO_REF / "tdt_tiny" / "model.nemo"), echo=text_lines.append,
+                chunk_ms=2000, left_ms=4000, right_ms=500)
+    assert [line.split("] ", 1)[0].split()[-1] for line in text_lines] == [m["type"] for m in msgs]

@@ -47,7 +47,7 @@ def test_stream_over_tcp_gives_nemo_partials(model, files):
         return await stream_audio(host, port, "one", f["samples"], piece_s=0.25, realtime=False)
 
     run = _run(model, ServerConfig(port=0, max_streams=2), scenario)
-    partials = [m["text"] for m in run.messages if m["type"] in ("partial", "final")]
+    partials = run.transcripts()
     assert run.messages[0]["type"] == "ready"
     assert partials == f["partial_texts"]
     assert run.final["text"] == f["offline_text"]
@@ -139,3 +139,42 @@ def test_a_queued_stream_waits_for_its_slot_without_timing_out(model, files):
     assert holder.final is not None
     assert polite[-1]["type"] == "final" and polite[-1]["text"] == files[1]["offline_text"]
     assert eager[-1]["type"] == "final" and eager[-1]["text"] == files[2]["offline_text"]
+
+
+def test_a_long_stream_commits_segments_and_its_partials_stay_short():
+    """A minute of speech through a chunked TDT model over TCP: segments arrive numbered in
+    order, each partial names the segment it will become and holds only the words after the
+    last one (about MAX_OPEN_S at most), and segments + last partial joined are the final,
+    which equals streaming the file alone through the scheduler."""
+    import soundfile as sf
+
+    from conftest import NEMO_REF, SPEECH
+    from streaming_fixtures import stream_alone
+    from transcribe.streaming.scheduler import StreamingModel
+    from transcribe.streaming.transcript import MAX_OPEN_S
+
+    chunked = StreamingModel.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo", chunk_ms=1000, left_ms=4000,
+                                       right_ms=500)
+    audio, sr = sf.read(str(SPEECH / "longform" / "librispeech_test-other_1688-142285_concat.flac"), dtype="float32",
+                        frames=60 * 16000)
+    assert sr == 16000
+
+    async def scenario(server, host, port):
+        return await stream_audio(host, port, "long", audio, piece_s=0.5, realtime=False, timeout_s=120)
+
+    run = _run(chunked, ServerConfig(port=0, max_streams=1), scenario)
+    segments = [m for m in run.messages if m["type"] == "segment"]
+    partials = [m for m in run.messages if m["type"] == "partial"]
+    assert [m["index"] for m in segments] == list(range(len(segments))) and len(segments) >= 5
+    seen = 0
+    for m in run.messages:
+        seen += m["type"] == "segment"
+        if m["type"] == "partial":
+            assert m["index"] == seen
+            if m["words"]:
+                assert m["words"][-1]["start"] - m["words"][0]["start"] <= MAX_OPEN_S + 1.5
+    assert max(len(m["words"]) for m in partials) < len(run.final["words"]) / 3
+    assert run.transcripts()[-1] == run.final["text"]
+    assert [w for m in segments for w in m["words"]] == run.final["words"][:sum(len(m["words"]) for m in segments)]
+    _, alone = stream_alone(chunked, audio, 8000)
+    assert run.final["text"] == alone[-1]

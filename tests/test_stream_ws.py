@@ -51,7 +51,7 @@ def test_ws_binary_audio_gives_nemo_partials_alongside_tcp(model, files):
 
     ws_run, tcp_run = _run(model, ServerConfig(port=0, ws_port=0, max_streams=2), scenario)
     assert ws_run.messages[0]["type"] == "ready"
-    assert [m["text"] for m in ws_run.messages if m["type"] in ("partial", "final")] == f["partial_texts"]
+    assert ws_run.transcripts() == f["partial_texts"]
     assert ws_run.final["text"] == tcp_run.final["text"] == f["offline_text"]
     assert ws_run.final["words"] == tcp_run.final["words"]
 

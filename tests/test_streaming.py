@@ -149,12 +149,13 @@ def test_no_audio_gives_an_empty_final_and_times_stay_inside_the_audio(model, fi
 
     for n in (0, 1, 100):
         session, texts = stream_alone(model, np.zeros(n, np.float32) + 0.1, piece=50)
-        assert texts in ([], [""]) and model.result(session).text == "" and session.decoded_seconds <= n / 16000
+        assert texts == [""] and session.decoded_seconds <= n / 16000
     for f in files:
         sched = Scheduler(model, SchedulerConfig(max_streams=1))
         s = sched.open("a")
         s.push_audio(f["samples"])
         s.end()
         while s.state == SessionState.ACTIVE:
-            for _, r, _ in sched.run_once():
-                assert all(w.end <= s.decoded_seconds <= f["samples"].shape[0] / 16000 for w in r.words)
+            for _, u in sched.run_once():
+                words = [w for r in [*u.segments, u.open, *([u.final] if u.final else [])] for w in r.words]
+                assert all(w.end <= s.decoded_seconds <= f["samples"].shape[0] / 16000 for w in words)

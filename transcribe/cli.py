@@ -315,7 +315,7 @@ def _interruptible(job, then: str = "run the same command again to resume"):
                     "run the same command again to resume once they can be written", EXIT_NOTHING_RAN)
 
 
-@sub_app.command(help="Stream one audio file through a cache-aware streaming model, printing partial transcripts.")
+@sub_app.command(help="Stream one audio file through a streaming model, printing the transcript as it grows (segments, partials, final).")
 def stream(
     path: Path = typer.Argument(..., help="Audio file."),
     model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),

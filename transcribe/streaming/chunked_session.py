@@ -23,13 +23,15 @@ import torch
 
 from engines.chunked_pool import ChunkContext, ChunkWindow
 from transcribe.streaming.session import SessionBase
+from transcribe.streaming.transcript import StreamTranscript
 
 
 class ChunkedSession(SessionBase):
     """See the module docstring. frame_samples: audio samples per encoder frame (hop * subsampling)."""
 
-    def __init__(self, stream_id: str, sample_rate: int, frame_samples: int, context: ChunkContext):
-        super().__init__(stream_id, sample_rate)
+    def __init__(self, stream_id: str, sample_rate: int, frame_samples: int, context: ChunkContext,
+                 transcript: StreamTranscript):
+        super().__init__(stream_id, sample_rate, transcript)
         self.context = context
         self.left = context.left * frame_samples
         self.chunk = context.chunk * frame_samples

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.server import ServerConfig, serve_forever
 from transcribe.streaming.session import SessionState
@@ -41,11 +42,12 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
                 as_json: bool = False, echo: Callable[[str], None] = print, chunk_ms: float | None = None,
                 left_ms: float | None = None, right_ms: float | None = None) -> dict:
     """Stream one audio file through the streaming engine (cache-aware, or chunked with
-    chunk_ms / left_ms / right_ms for offline-trained models), printing each partial transcript.
+    chunk_ms / left_ms / right_ms for offline-trained models), printing the transcript as it grows.
 
-    realtime: feed audio at the pace it was recorded (else as fast as possible). Prints one
-    line per chunk (`partial`/`final` text, or JSON lines with word times when `as_json`) and
-    returns a summary: text, words, audio_seconds, wall_seconds, rtfx, steps, step latency (ms)."""
+    realtime: feed audio at the pace it was recorded (else as fast as possible). Prints what
+    the server would send, one line each: `segment` (committed words), `partial` (the words
+    after them, after every chunk) and `final` (the whole transcript); JSON lines with word
+    times when `as_json`. Returns a summary: text, words, audio_seconds, wall_seconds, rtfx, steps, step latency (ms)."""
     from transcribe.decode import AudioStream
 
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms)
@@ -57,7 +59,7 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
     step_ms: list[float] = []
     t0 = time.perf_counter()
     pos = 0
-    result = sm.result(session)
+    final = None
     while session.state == SessionState.ACTIVE:
         if pos < audio.shape[0]:
             if realtime:
@@ -72,25 +74,27 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
         out = sched.run_once()
         if out:
             step_ms.append(1000 * (time.perf_counter() - ts))
-        for _, result, final in out:
-            _print_result(echo, result, final, session.decoded_seconds, as_json)
+        for _, update in out:
+            for msg in P.update_messages(session.stream_id, update, session.decoded_seconds):
+                _print_message(echo, msg, as_json)
+            final = update.final or final
     wall = time.perf_counter() - t0
     seconds = audio.shape[0] / sm.sample_rate
     return {
-        "text": result.text, "words": [w.__dict__ for w in result.words], "audio_seconds": seconds,
+        "text": final.text, "words": [w.__dict__ for w in final.words], "audio_seconds": seconds,
         "wall_seconds": wall, "rtfx": seconds / wall if wall > 0 else None, "steps": len(step_ms),
         "step_ms_p50": float(np.percentile(step_ms, 50)) if step_ms else None,
         "step_ms_max": max(step_ms) if step_ms else None,
     }
 
 
-def _print_result(echo, result, final: bool, decoded_s: float, as_json: bool) -> None:
+def _print_message(echo, msg: dict, as_json: bool) -> None:
+    """A JSON line as the server would send it (without the stream id), or one line of text:
+    segments as they are committed, the open tail after each step, the final."""
     if as_json:
-        words = [w.to_json() for w in result.words]
-        echo(json.dumps({"type": "final" if final else "partial", "audio_seconds": round(decoded_s, 3),
-                         "text": result.text, "words": words}, ensure_ascii=False))
+        echo(json.dumps({k: v for k, v in msg.items() if k != "stream_id"}, ensure_ascii=False))
     else:
-        echo(f"[{decoded_s:7.2f}s {'final' if final else 'partial'}] {result.text}")
+        echo(f"[{msg['audio_seconds']:7.2f}s {msg['type']}] {msg['text']}")
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,

@@ -12,6 +12,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from transcribe.streaming import protocol as P
+from transcribe.streaming.transcript import join_texts
 
 
 @dataclass
@@ -31,6 +32,19 @@ class ClientRun:
     @property
     def error(self) -> dict | None:
         return next((m for m in self.messages if m["type"] == "error"), None)
+
+    def transcripts(self) -> list[str]:
+        """The transcript so far after each partial and the final: the segments received
+        before it, then its own text (protocol.py)."""
+        out, committed = [], []
+        for m in self.messages:
+            if m["type"] == "segment":
+                committed.append(m["text"])
+            elif m["type"] == "partial":
+                out.append(join_texts([*committed, m["text"]]))
+            elif m["type"] == "final":
+                out.append(m["text"])
+        return out
 
     def final_latency(self) -> float | None:
         """Seconds from sending "end" (after the last audio) to the final result."""

@@ -12,9 +12,18 @@ Server -> client (over WebSocket: text frames)
     {"type": "ready", "stream_id": ...}    a slot is assigned: audio is decoded as it arrives
     {"type": "waiting", "stream_id": ..., "position": n}   queued for a slot (audio is kept;
                                            no idle or final timeout runs while queued)
-    {"type": "partial"|"final", "stream_id": ..., "text": ..., "words": [{"word", "start",
-        "end"}], "audio_seconds": s}       times in seconds from the stream start;
-        audio_seconds: audio decoded so far
+    {"type": "segment", "stream_id": ..., "index": i, "text": ..., "words": [{"word", "start",
+        "end"}], "audio_seconds": s}       committed words (0, 1, 2, ...): they never change;
+        a segment ends at a sentence end, a pause, or after about 8 s (streaming/transcript.py)
+    {"type": "partial", "stream_id": ..., "index": i, "text": ..., "words": [...],
+        "audio_seconds": s}                after every step: the words after the last segment,
+        which may still change (segment i, once committed); the transcript so far is the
+        segments' texts and this text joined with spaces (empty ones skipped)
+    {"type": "final", "stream_id": ..., "text": ..., "words": [...], "audio_seconds": s}
+                                           after "end": the whole transcript, equal to the
+        segments and the last partial joined, and sent once (it grows with the stream: the
+        line limit below holds ~15 h of speech)
+    Times are seconds from the stream start; audio_seconds: audio decoded so far.
     {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
         the connection after an error (the stream is over, its slot returned)
 A message (line or frame) is at most MAX_LINE_BYTES. Over TCP a longer line gets a
@@ -33,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from transcribe.results import Result
+from transcribe.streaming.transcript import Update
 
 MAX_LINE_BYTES = 4 * 1024 * 1024  # one message; ~65 s of base64 PCM16 at 16 kHz
 FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}
@@ -124,12 +134,26 @@ def encode(msg: dict[str, Any]) -> bytes:
     return (json.dumps(msg, separators=(",", ":"), ensure_ascii=False) + "\n").encode()
 
 
-def result_message(stream_id: str, result: Result, final: bool, audio_seconds: float) -> dict[str, Any]:
-    return {
-        "type": "final" if final else "partial", "stream_id": stream_id, "text": result.text,
-        "words": [w.to_json() for w in result.words],
-        "audio_seconds": round(audio_seconds, 3),
-    }
+def result_message(kind: str, stream_id: str, result: Result, audio_seconds: float,
+                   index: int | None = None) -> dict[str, Any]:
+    """A "segment", "partial" (both with their segment `index`) or "final" message."""
+    msg: dict[str, Any] = {"type": kind, "stream_id": stream_id}
+    if index is not None:
+        msg["index"] = index
+    msg.update(text=result.text, words=[w.to_json() for w in result.words], audio_seconds=round(audio_seconds, 3))
+    return msg
+
+
+def update_messages(stream_id: str, update: Update, audio_seconds: float) -> list[dict[str, Any]]:
+    """One step's messages for a stream: its new segments, then the open tail as a partial,
+    or, once the stream has ended, the final (no partial)."""
+    out = [result_message("segment", stream_id, seg, audio_seconds, update.first_index + k)
+           for k, seg in enumerate(update.segments)]
+    if update.final is not None:
+        out.append(result_message("final", stream_id, update.final, audio_seconds))
+    else:
+        out.append(result_message("partial", stream_id, update.open, audio_seconds, update.open_index))
+    return out
 
 
 def error_message(code: str, message: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ checkpoints) or `ChunkedStreamPool` (offline-trained ones, chunked with left/rig
 `Scheduler.open` gives a new stream a slot, or a place in a bounded waiting queue (FIFO);
 `collect` takes at most one ready chunk from every active stream (whatever its position) for
 one batched pool step; `apply` hands the step's tokens back to the sessions and turns them into
-partial / final results; `close` returns a slot (finish, error or disconnect) and admits the
+transcript updates (committed segments, the open tail, the final: `transcript.py`); `close` returns a slot (finish, error or disconnect) and admits the
 next waiting stream. Not thread-safe: the server calls everything from its event loop except
 `StreamingModel.run` (pure compute on the pool), and slots closed while a step runs are
 released only after it (`begin_step` / `end_step`), so a step never writes a reused slot.
@@ -26,11 +26,9 @@ from engines.stream_pool import ChunkInput, StreamPool
 from engines.streaming_encoder import CacheAwareEncoder
 from engines.transducer import TransducerDecoder
 from transcribe.features import LogMel
-from transcribe.results import Result
-from transcribe.stitching import shift
 from transcribe.streaming.chunked_session import ChunkedSession
 from transcribe.streaming.session import IncrementalLogMel, SessionBase, SessionState, StreamSession
-from transcribe.timestamps import build_result
+from transcribe.streaming.transcript import StreamTranscript, Update
 
 
 class Busy(RuntimeError):
@@ -94,18 +92,19 @@ class StreamingModel:
         return StreamPool(self.encoder, self.engine.decoder, max_streams)
 
     def new_session(self, stream_id: str) -> StreamSession | ChunkedSession:
-        if self.context is not None:
-            return ChunkedSession(stream_id, self.sample_rate, self.frame_samples, self.context)
-        return StreamSession(stream_id, IncrementalLogMel(self.logmel), self.encoder.cfg)
-
-    def result(self, session: SessionBase) -> Result:
-        """Text and word times (s from the stream start) of everything decoded so far, none past
-        the audio decoded (a token's frame, 80 ms, or TDT duration can reach beyond it; offline
-        results are cut back the same way, transcribe.stitching)."""
         e = self.engine
-        result = build_result(e.tokenizer, session.tokens, session.token_frames, session.token_durations, e.kind,
-                              e.timing)
-        return shift(result, 0.0, until=session.decoded_seconds)
+        transcript = StreamTranscript(e.tokenizer, e.kind, e.timing)
+        if self.context is not None:
+            return ChunkedSession(stream_id, self.sample_rate, self.frame_samples, self.context, transcript)
+        return StreamSession(stream_id, IncrementalLogMel(self.logmel), self.encoder.cfg, transcript)
+
+    def update(self, session: SessionBase, final: bool) -> Update:
+        """The transcript's new segments, open tail and (when `final`) the whole of it, in
+        seconds from the stream start, none past the audio decoded (a token's frame, 80 ms, or
+        TDT duration can reach beyond it; offline results are cut back the same way,
+        transcribe.stitching)."""
+        return session.transcript.update(session.tokens, session.token_frames, session.token_durations,
+                                         session.decoded_seconds, final)
 
 
 class Scheduler:
@@ -192,30 +191,31 @@ class Scheduler:
         self._admit()
 
     def apply(self, sessions: Sequence[SessionBase], hyps: Sequence[Hypothesis]
-              ) -> list[tuple[SessionBase, Result, bool]]:
-        """Record a step's tokens; (session, transcript so far, is_final) for each live session.
-        A final session is closed (its slot returned) before this returns."""
+              ) -> list[tuple[SessionBase, Update]]:
+        """Record a step's tokens; (session, its transcript update) for each live session (the
+        update has `final` when its stream is over). A final session is closed (its slot
+        returned) before this returns."""
         out = []
         for session, hyp in zip(sessions, hyps):
             if session.state != SessionState.ACTIVE:
                 continue  # closed (disconnected) while its chunk was running
             session.add(hyp.tokens, hyp.frames, hyp.durations)
             final = session.finished_input
-            out.append((session, self.model.result(session), final))
+            out.append((session, self.model.update(session, final)))
             if final:
                 self.close(session)
         return out
 
-    def finish_idle(self) -> list[tuple[SessionBase, Result, bool]]:
+    def finish_idle(self) -> list[tuple[SessionBase, Update]]:
         """Ended streams with no chunk left (e.g. too short for one chunk): final now."""
         out = []
         for session in list(self.active.values()):
             if session.finished_input:
-                out.append((session, self.model.result(session), True))
+                out.append((session, self.model.update(session, True)))
                 self.close(session)
         return out
 
-    def run_once(self) -> list[tuple[SessionBase, Result, bool]]:
+    def run_once(self) -> list[tuple[SessionBase, Update]]:
         """collect -> pool step -> apply, synchronously (tests, `transcribe stream`)."""
         sessions, chunks = self.collect()
         out = self.apply(sessions, self.pool.step(chunks)) if chunks else []

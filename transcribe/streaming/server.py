@@ -334,14 +334,14 @@ class StreamServer:
                 heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
             self._deliver(sched.finish_idle())
 
-    def _deliver(self, results) -> None:
-        for session, result, final in results:
+    def _deliver(self, updates) -> None:
+        for session, update in updates:
             client = self._clients.get(session.stream_id)
             if client is None or client.session is not session:
                 continue
-            msg = P.result_message(session.stream_id, result, final, session.decoded_seconds)
-            self._send(client, msg)
-            if final:
+            for msg in P.update_messages(session.stream_id, update, session.decoded_seconds):
+                self._send(client, msg)
+            if update.final is not None:
                 client.final.set()
         self._notify_admitted()
 

@@ -20,6 +20,7 @@ from engines.stream_pool import ChunkInput
 from engines.streaming_encoder import StreamingConfig, chunk_features, next_chunk
 from transcribe.audio import DEFAULT_MIN_SAMPLES
 from transcribe.features import LogMel
+from transcribe.streaming.transcript import StreamTranscript
 
 
 class IncrementalLogMel:
@@ -107,7 +108,7 @@ class SessionState(enum.Enum):
 class SessionBase:
     """What every stream keeps whatever its chunking: identity, slot, state and transcript."""
 
-    def __init__(self, stream_id: str, sample_rate: int):
+    def __init__(self, stream_id: str, sample_rate: int, transcript: StreamTranscript):
         self.stream_id = stream_id
         self.sample_rate = sample_rate
         self.state = SessionState.WAITING
@@ -116,6 +117,7 @@ class SessionBase:
         self.tokens: list[int] = []
         self.token_frames: list[int] = []
         self.token_durations: list[int] = []  # TDT predicted durations (empty for RNN-T)
+        self.transcript = transcript  # cuts the tokens into committed segments + open tail
         self.steps = 0
         self.last_audio_time = time.monotonic()  # arrival of the newest audio (latency origin)
         self.audio_seconds = 0.0
@@ -135,8 +137,9 @@ class StreamSession(SessionBase):
     """Features, chunk cursor and transcript of one cache-aware stream (not thread-safe; one
     event loop)."""
 
-    def __init__(self, stream_id: str, features: IncrementalLogMel, cfg: StreamingConfig):
-        super().__init__(stream_id, features.logmel.cfg.sample_rate)
+    def __init__(self, stream_id: str, features: IncrementalLogMel, cfg: StreamingConfig,
+                 transcript: StreamTranscript):
+        super().__init__(stream_id, features.logmel.cfg.sample_rate, transcript)
         self.features = features
         self.cfg = cfg
         self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on ...
