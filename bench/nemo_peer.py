@@ -116,6 +116,15 @@ def _use_cuda_graph_decoder(model, open_dict) -> None:
     model.change_decoding_strategy(cfg, verbose=False)
 
 
+def _cuda_graphs_mode(model) -> str | None:
+    """The graph mode NeMo's label-looping decoder ended up in after transcribing (full_graph,
+    no_while_loops, no_graphs): it drops from full_graph to no_while_loops with a warning when
+    the conditional-node capture fails, which says whether full graphs work on this stack."""
+    computer = getattr(getattr(getattr(model, "decoding", None), "decoding", None), "decoding_computer", None)
+    mode = getattr(computer, "cuda_graphs_mode", None)
+    return None if mode is None else str(getattr(mode, "value", mode))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="path to a .nemo archive")
@@ -221,6 +230,7 @@ def main() -> int:
         "decoding": str(model.cfg.get("decoding", {}).get("strategy", "")),
         "cuda_graph_decoder": bool(model.cfg.decoding.get("greedy", {}).get("use_cuda_graph_decoder", False))
         if model.cfg.get("decoding") else False,
+        "cuda_graphs_mode": _cuda_graphs_mode(model),
         "wer": wer,
         "wer_words": n_words,
         "wer_normalisation": WER_NORMALISATION,

@@ -22,6 +22,7 @@ runtime all >= 12.4.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -151,11 +152,29 @@ def _load(api: CudaPython, image: bytes) -> tuple[Any, Any]:
     return module, function
 
 
-class WhileLoops:
-    """Adds conditional WHILE nodes to the graph being captured on the current stream."""
+def report_body_failure(error: BaseException) -> None:
+    """Say why a while body's capture failed, on stderr, before any capture is ended.
 
-    def __init__(self, api: CudaPython, device: torch.device):
+    When a conditional body's capture is invalidated (a call not allowed during capture), the
+    CUDA driver frees the body graph its node still owns, and ending the enclosing capture then
+    segfaults inside libcuda (NVIDIA/cuda-python#2918, NVBUG 6805256; either order of ending).
+    torch ends it as the exception unwinds through `torch.cuda.graph`, so the process can die
+    before the exception is ever printed: this line is then the only trace of the cause."""
+    sys.stderr.write(f"transcribe: capturing a CUDA-graph while-loop body failed: {error!r}; ending the enclosing "
+                     "capture may now crash the process inside the CUDA driver (NVIDIA/cuda-python#2918): "
+                     "use --decoder-mode unrolled\n")
+    sys.stderr.flush()
+
+
+class WhileLoops:
+    """Adds conditional WHILE nodes to the graph being captured on the current stream. `mode`:
+    the bodies' capture mode (torch's capture_error_mode names; the enclosing capture's)."""
+
+    def __init__(self, api: CudaPython, device: torch.device, mode: str = "thread_local"):
         self.api, self.device = api, device
+        modes = api.runtime.cudaStreamCaptureMode
+        self._mode = {"global": modes.cudaStreamCaptureModeGlobal, "thread_local": modes.cudaStreamCaptureModeThreadLocal,
+                      "relaxed": modes.cudaStreamCaptureModeRelaxed}[mode]
         torch.cuda.synchronize(device)  # torch's context current before the first driver call
         self._module, self._kernel = _compile_kernel(api, device)
         # Kernel argument arrays: cuLaunchKernel reads them through raw pointers, so they are
@@ -205,15 +224,22 @@ class WhileLoops:
         rt = self.api.runtime
         handle, body = self._add_while_node(torch.cuda.current_stream(self.device), flag)
         body_stream = torch.cuda.Stream(self.device)
-        mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
-        check(rt.cudaStreamBeginCaptureToGraph(body_stream.cuda_stream, body, None, None, 0, mode))
+        check(rt.cudaStreamBeginCaptureToGraph(body_stream.cuda_stream, body, None, None, 0, self._mode))
         ok = False
         self._depth += 1
         try:
             with torch.cuda.stream(body_stream):
                 yield
+                # A library may have swallowed the error of a call that invalidated the capture.
+                status, *_ = check(rt.cudaStreamGetCaptureInfo(body_stream.cuda_stream))
+                if status != rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive:
+                    raise CudaPythonError(f"the while body's capture is no longer active ({status!r}): a call "
+                                          "in the body is not allowed during stream capture")
                 self._set_condition(handle, flag, body_stream)  # decides whether to run again
             ok = True
+        except BaseException as e:
+            report_body_failure(e)
+            raise
         finally:
             self._depth -= 1
             ended = rt.cudaStreamEndCapture(body_stream.cuda_stream)

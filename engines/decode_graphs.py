@@ -61,6 +61,12 @@ _NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: Decode
 # a crash no fallback can catch, which would end the user's whole job. Full-graph stays on
 # request (`--decoder-mode full-graph`) until a GPU run shows it captures and agrees.
 AUTO_ON_CUDA = DecodeMode.UNROLLED
+# A segfault there is what the CUDA driver does when a conditional body's capture was
+# invalidated and the enclosing capture then ends (NVIDIA/cuda-python#2918): the real error is
+# the call that invalidated it, which `cuda_conditional` now prints before unwinding.
+# `bench/gpu/while_loop_probe.py` captures with "relaxed" too: if only that works, the culprit
+# is a call that thread-local capture forbids.
+FULL_GRAPH_CAPTURE_MODE = "thread_local"
 
 
 def full_graph_unsupported() -> str | None:
@@ -243,14 +249,14 @@ class FullGraphRunner:
 
     def __init__(self, static: StaticState, pool: object):
         p, device = static.pieces, static.enc_in.device
-        loops = cuda_conditional.WhileLoops(cuda_conditional.import_cuda_python(), device)
+        loops = cuda_conditional.WhileLoops(cuda_conditional.import_cuda_python(), device, FULL_GRAPH_CAPTURE_MODE)
         _warm_up(p, device)
         # Allocations inside the while bodies happen on the bodies' own capture streams, which
         # torch's capture does not route to its pool: this pool (kept with the graph) takes them.
         self.body_pool = torch.cuda.MemPool()
         self.graph = torch.cuda.CUDAGraph()
         stream = side_stream(device)
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=FULL_GRAPH_CAPTURE_MODE):
             p.before()
             with torch.cuda.use_mem_pool(self.body_pool, device), loops.while_loop(p.active_any):
                 p.head()

@@ -158,6 +158,88 @@ def test_old_cuda_python_is_a_reason():
     assert cuda_conditional._major_minor("13.0.1rc1") == (13, 0)
 
 
+class _FakeCapture:
+    """cuda-python's runtime and driver, as far as `WhileLoops.while_loop` calls them, over
+    streams whose capture status a test sets: the body stream's capture can be invalidated."""
+
+    ACTIVE, INVALIDATED = "active", "invalidated"
+
+    def __init__(self, body_status: str):
+        from types import SimpleNamespace as NS
+        self.body_status, self.ended, self.launches = body_status, [], 0
+        rt = NS(cudaStreamCaptureStatus=NS(cudaStreamCaptureStatusActive=self.ACTIVE),
+                cudaStreamCaptureMode=NS(cudaStreamCaptureModeGlobal=0, cudaStreamCaptureModeThreadLocal=1,
+                                         cudaStreamCaptureModeRelaxed=2),
+                cudaStreamUpdateCaptureDependenciesFlags=NS(cudaStreamSetCaptureDependencies=1))
+        rt.cudaStreamGetCaptureInfo = lambda stream: (0, self.ACTIVE if stream == "root" else self.body_status, 1,
+                                                      "graph", ["dep"], 1)
+        rt.cudaGraphConditionalHandleCreate = lambda graph, value, flags: (0, NS(getPtr=lambda: 0))
+        rt.cudaStreamUpdateCaptureDependencies = lambda *a: (0,)
+        rt.cudaStreamBeginCaptureToGraph = lambda *a: (0,)
+        rt.cudaStreamEndCapture = lambda stream: (self.ended.append(stream), (0, "body graph"))[1]
+        drv = NS(CUgraphNodeType=NS(CU_GRAPH_NODE_TYPE_CONDITIONAL=1),
+                 CUgraphConditionalNodeType=NS(CU_GRAPH_COND_TYPE_WHILE=1),
+                 CUgraphNodeParams=lambda: NS(type=None, conditional=NS(phGraph_out=["body graph"])),
+                 cuCtxGetCurrent=lambda: (0, "ctx"), cuGraphAddNode=lambda *a: (0, "node"),
+                 cuLaunchKernel=self._launch)
+        self.api = cuda_conditional.CudaPython(rt, drv, None, (13, 0))
+
+    def _launch(self, *args):
+        self.launches += 1
+        return (0,)
+
+    def loops(self, monkeypatch) -> "cuda_conditional.WhileLoops":
+        from types import SimpleNamespace as NS
+        import contextlib
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: NS(cuda_stream="root"))
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: NS(cuda_stream="body"))
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        loops = cuda_conditional.WhileLoops.__new__(cuda_conditional.WhileLoops)  # no GPU: no kernel to compile
+        loops.api, loops.device, loops._mode, loops._kernel = self.api, "cuda", 1, "kernel"
+        loops._args, loops._root, loops._depth = [], None, 0
+        return loops
+
+
+class _CudaFlag:
+    dtype, is_cuda = torch.bool, True
+
+    def numel(self):
+        return 1
+
+    def data_ptr(self):
+        return 0
+
+
+def test_a_failed_while_body_is_reported_before_any_capture_ends(monkeypatch, capsys):
+    """The CUDA driver segfaults when a capture ends after one of its conditional bodies'
+    captures was invalidated (NVIDIA/cuda-python#2918): the first GPU run died in torch's
+    capture_end with no word of the cause. The body's error is now on stderr before the body's
+    capture ends, and a body whose capture a library invalidated silently raises too."""
+    fake = _FakeCapture(_FakeCapture.ACTIVE)
+    loops = fake.loops(monkeypatch)
+    with pytest.raises(RuntimeError, match="operation not permitted"):
+        with loops.while_loop(_CudaFlag()):
+            assert capsys.readouterr().err == ""
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    err = capsys.readouterr().err
+    assert "while-loop body failed" in err and "operation not permitted" in err and "unrolled" in err
+    assert fake.ended == ["body"] and loops._depth == 0
+
+    fake = _FakeCapture(_FakeCapture.INVALIDATED)
+    loops = fake.loops(monkeypatch)
+    with pytest.raises(cuda_conditional.CudaPythonError, match="no longer active"):
+        with loops.while_loop(_CudaFlag()):
+            pass  # e.g. a library swallowed the error of the call that invalidated the capture
+    assert "no longer active" in capsys.readouterr().err and fake.ended == ["body"]
+    assert fake.launches == 1  # the loop-entry condition only: no end-of-body one was captured
+
+    fake = _FakeCapture(_FakeCapture.ACTIVE)
+    loops = fake.loops(monkeypatch)
+    with loops.while_loop(_CudaFlag()):
+        pass
+    assert capsys.readouterr().err == "" and fake.launches == 2 and fake.ended == ["body"]
+
+
 def test_bindings_newer_than_the_driver_are_a_reason(monkeypatch):
     """CUDA 13 bindings (what `pip install cuda-python` gives now) on a 12.x driver fail every
     runtime call with cudaErrorInsufficientDriver: say so up front, not at the first capture."""

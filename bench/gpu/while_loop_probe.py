@@ -11,8 +11,16 @@ own process (a segfault ends only that one) and prints what its graph computed:
                                   the root graph (what cuda_conditional does now, as NeMo does)
   nested_bodyhandle               the inner handle made in the body graph (what it did when the
                                   crash was seen): if only this one crashes, that was the cause
-  decoder, decoder_nopool         the full-graph GPU test on every fixture; nopool: without the
-                                  MemPool for allocations inside the bodies
+  lstm, lstm_relaxed, lstm_nocudnn  the body runs an nn.LSTM step and a Linear (cuDNN and cuBLAS
+                                  on a body stream, as the decoder's prediction net does);
+                                  relaxed: that capture mode; nocudnn: torch's own LSTM kernels
+  decoder, decoder_nopool,        the full-graph GPU test on every fixture; nopool: without the
+  decoder_relaxed                 MemPool for allocations inside the bodies; relaxed: captured in
+                                  relaxed mode (works only there: a call thread-local forbids)
+
+A segfault in capture_end is what the CUDA driver does when a body's capture was invalidated
+and the enclosing capture then ends (NVIDIA/cuda-python#2918); cuda_conditional prints the
+body's error first ("capturing a CUDA-graph while-loop body failed: ..."): look for that line.
 """
 import contextlib, faulthandler, subprocess, sys
 faulthandler.enable()
@@ -22,6 +30,9 @@ def run_decoder(name):
     sys.path.insert(0, "tests")
     if "nopool" in name:
         torch.cuda.use_mem_pool = lambda *a, **k: contextlib.nullcontext()
+    if "relaxed" in name:
+        from engines import decode_graphs
+        decode_graphs.FULL_GRAPH_CAPTURE_MODE = "relaxed"
     import test_decode_graphs as t
     from conftest import OFFLINE_VARIANTS
     for v in OFFLINE_VARIANTS:
@@ -42,7 +53,8 @@ def run_variant(name):
                 self._depth = d
         cc.WhileLoops._add_while_node = patched
     dev = torch.device("cuda")
-    loops = cc.WhileLoops(cc.import_cuda_python(), dev)
+    mode = "global" if "global" in name else "relaxed" if "relaxed" in name else "thread_local"
+    loops = cc.WhileLoops(cc.import_cuda_python(), dev, mode)
     x = torch.zeros((), dtype=torch.int32, device=dev)
     y = torch.zeros((), dtype=torch.int32, device=dev)
     z = torch.zeros((), dtype=torch.int32, device=dev)
@@ -50,9 +62,18 @@ def run_variant(name):
     flag_i = torch.ones((), dtype=torch.bool, device=dev)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream(dev); s.wait_stream(torch.cuda.current_stream())
-    body_pool = torch.cuda.MemPool() if "mempool" in name else None
+    body_pool = torch.cuda.MemPool() if "mempool" in name or "lstm" in name else None
     limit = 10 if "nested" not in name else 3
+    if "lstm" in name:
+        if "nocudnn" in name:
+            torch.backends.cudnn.enabled = False
+        lstm, lin = torch.nn.LSTM(64, 64, 1).to(dev), torch.nn.Linear(64, 64).to(dev)
+        h, c = torch.zeros(1, 4, 64, device=dev), torch.zeros(1, 4, 64, device=dev)
+        emb, out = torch.randn(1, 4, 64, device=dev), torch.zeros(1, 4, 64, device=dev)
     def body():
+        if "lstm" in name:
+            o, (h2, c2) = lstm(emb, (h, c))
+            h.copy_(h2); c.copy_(c2); out.copy_(lin(o))
         if "alloc" in name:
             x.copy_(x + 1)
             flag.copy_(x < limit)
@@ -62,8 +83,7 @@ def run_variant(name):
     with torch.cuda.stream(s):
         body(); x.zero_(); flag.fill_(True)
     torch.cuda.synchronize()
-    mode = "global" if "global" in name else "thread_local"
-    with torch.cuda.graph(g, stream=s, capture_error_mode=mode):
+    with torch.inference_mode(), torch.cuda.graph(g, stream=s, capture_error_mode=mode):
         x.zero_(); z.zero_(); flag.fill_(True)
         ctx = torch.cuda.use_mem_pool(body_pool, dev) if body_pool is not None else contextlib.nullcontext()
         with ctx, loops.while_loop(flag):
@@ -79,8 +99,14 @@ def run_variant(name):
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         run_variant(sys.argv[1]); sys.exit(0)
-    for v in ["inplace", "alloc_mempool", "alloc", "nested", "nested_bodyhandle", "nested_alloc_mempool",
-              "decoder", "decoder_nopool"]:
-        r = subprocess.run([sys.executable, __file__, v], capture_output=True, text=True, timeout=150)
+    # Most telling first: the stage has 300 s for all of them.
+    for v in ["decoder", "decoder_relaxed", "lstm", "lstm_relaxed", "lstm_nocudnn", "nested", "inplace", "alloc",
+              "alloc_mempool", "nested_bodyhandle", "nested_alloc_mempool", "decoder_nopool"]:
+        try:
+            r = subprocess.run([sys.executable, __file__, v], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired as e:
+            print(f"== {v}: timed out after 60 s\n{(e.stdout or b'')[-800:]!r}", flush=True)
+            continue
         err = "\n".join(l for l in r.stderr.splitlines() if "site-packages" not in l)
-        print(f"== {v}: rc {r.returncode}\n{r.stdout[-800:]}\n{err[-1500:]}", flush=True)
+        cause = "\n".join(l for l in r.stderr.splitlines() if l.startswith("transcribe:"))  # the body's error
+        print(f"== {v}: rc {r.returncode}\n{cause}\n{r.stdout[-800:]}\n{err[-1500:]}", flush=True)
