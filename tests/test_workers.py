@@ -275,6 +275,42 @@ def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypat
         assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
 
 
+def test_mp3s_joined_end_to_end_are_read_whole(tmp_path, monkeypatch):
+    """`cat a.mp3 b.mp3` keeps a's Xing header, and libsndfile stopped where its frame count
+    ends: b's audio was dropped without a word. A file holding more MPEG bytes than that header
+    declares now goes through PyAV (or fails naming the extra that reads it); a single MP3,
+    with or without an ID3v1 tag after its audio, stays with libsndfile."""
+    import sys
+
+    from transcribe.decode import AudioError, joined_mp3
+
+    rng = np.random.default_rng(6)
+    a, b = (rng.uniform(-0.3, 0.3, n).astype(np.float32) for n in (3 * SR, 2 * SR))
+    sf.write(tmp_path / "a.mp3", a, SR, format="MP3")
+    sf.write(tmp_path / "b.mp3", b, SR, format="MP3")
+    one = (tmp_path / "a.mp3").read_bytes()
+    (tmp_path / "ab.mp3").write_bytes(one + (tmp_path / "b.mp3").read_bytes())
+    (tmp_path / "tagged.mp3").write_bytes(one + b"TAG" + bytes(125))
+    assert joined_mp3(tmp_path / "a.mp3") is None and joined_mp3(tmp_path / "tagged.mp3") is None
+    declared, held = joined_mp3(tmp_path / "ab.mp3")
+    assert declared == len(one) and held == (tmp_path / "ab.mp3").stat().st_size
+    for name in ("a.mp3", "tagged.mp3"):
+        with AudioStream(tmp_path / name, SR) as stream:
+            assert type(stream._source).__name__ == "_SoundfileSource"
+            assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
+    if _has_av():
+        with AudioStream(tmp_path / "ab.mp3", SR) as stream:
+            assert abs(stream.duration - 5.0) < 0.3  # the hang timeout's length covers both parts
+            got = np.concatenate(list(stream.blocks()))
+        assert abs(got.shape[0] - (a.shape[0] + b.shape[0])) < 0.2 * SR  # both parts, not 3 s of 5
+        with AudioStream(tmp_path / "a.mp3", SR) as stream:
+            first = np.concatenate(list(stream.blocks()))
+        assert np.abs(got[: 2 * SR] - first[: 2 * SR]).max() < 1e-4  # FFmpeg decodes a's part as libsndfile does
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
+    with pytest.raises(AudioError, match=r"ab\.mp3: reading MP3s joined end to end .* needs PyAV"):
+        AudioStream(tmp_path / "ab.mp3", SR)
+
+
 def test_the_hang_timeout_allows_for_no_more_audio_than_the_file_can_hold(tmp_path):
     """A header can claim any length (a corrupt MP3's frame count): the worker's hang timeout
     (FileTimeout.limit of what it reports at "start") must stay finite and follow the size."""

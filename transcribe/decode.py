@@ -37,6 +37,11 @@ _OGG_JUNK = "Ogg: Junk after the last page"
 # keeps its Xing header's full count). The slack covers MP3s without one, whose count
 # libsndfile estimates from the file size: within ~2.5 % on our Common Voice files.
 SHORT_FRACTION, SHORT_SECONDS = 0.05, 1.0
+# MP3s joined end to end (`cat a.mp3 b.mp3`, chapters glued into one file) keep the first
+# part's Xing/Info header, and libsndfile (mpg123) stops where its frame count ends: the rest
+# would be dropped without a word. Such a file holds more MPEG bytes than that header declares;
+# mpg123 itself warns past 1 %. Tags after the audio (ID3v1, APEv2) are not counted.
+JOINED_MP3_SLACK = 0.01, 8192
 # Fewer bytes per second of audio than any speech codec needs (2.4 kbps is 300 B/s): what a
 # file's size can hold at this rate bounds the length its header claims, for the hang timeout.
 MIN_BYTES_PER_SECOND = 100
@@ -61,6 +66,17 @@ class AudioStream:
         if isinstance(self._source, _SoundfileSource) and self._source.chained:
             self._source.close()
             self._source = _AvSource(self.path, "a chained Ogg stream (several joined)")
+        elif isinstance(self._source, _SoundfileSource) and self._source.format == "MP3":
+            joined = joined_mp3(self.path)
+            if joined is not None:
+                declared, held = joined
+                first = self._source.frames
+                self._source.close()
+                self._source = _AvSource(self.path, "MP3s joined end to end (the first one's Xing header "
+                                                    f"declares {declared} of the file's {held} MPEG bytes)")
+                # FFmpeg's length, too, comes from that header: scale it to the bytes held (the
+                # hang timeout allows for this length).
+                self._source.frames = max(self._source.frames, round(first * held / declared))
         rate, channels = self._source.rate, self._source.channels
         reason = None
         if not MIN_RATE <= rate <= MAX_RATE:
@@ -163,6 +179,7 @@ class _SoundfileSource:
                                    f"the file holds {short.group(2)}")
 
         self._at = 0  # the frame the next read starts at
+        self.format = self._f.format
         self.chained = self.frames == _UNKNOWN_FRAMES or _OGG_JUNK in self._f.extra_info
 
     def seek(self, frame: int) -> int:
@@ -197,6 +214,46 @@ class _SoundfileSource:
         self._f.close()
 
 
+def joined_mp3(path: Path) -> tuple[int, int] | None:
+    """(MPEG bytes the first frame's Xing/Info header declares, MPEG bytes the file holds) for
+    an MP3 holding more than that header declares (JOINED_MP3_SLACK), else None (also when it
+    has no such header, or no byte count in it)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        head = f.read(10)
+        start = 0
+        if head[:3] == b"ID3" and len(head) == 10:  # ID3v2: syncsafe size, + 10 for a footer
+            start = 10 + sum((head[6 + k] & 0x7F) << (21 - 7 * k) for k in range(4)) + (10 if head[5] & 0x10 else 0)
+        f.seek(start)
+        head = f.read(4096)
+        end = size
+        f.seek(max(end - 128, 0))
+        if f.read(3) == b"TAG":  # ID3v1
+            end -= 128
+        f.seek(max(end - 32, 0))
+        footer = f.read(32)
+        if footer[:8] == b"APETAGEX":  # APEv2 footer: the tag's size (without its optional header)
+            flags = int.from_bytes(footer[20:24], "little")
+            end -= int.from_bytes(footer[12:16], "little") + (32 if flags & 0x80000000 else 0)
+    sync = next((i for i in range(len(head) - 3) if head[i] == 0xFF and head[i + 1] & 0xE0 == 0xE0), None)
+    if sync is None:
+        return None
+    mpeg1, mono, crc = (head[sync + 1] >> 3) & 3 == 3, head[sync + 3] >> 6 == 3, not head[sync + 1] & 1
+    tag = sync + 4 + (2 if crc else 0) + ((17 if mono else 32) if mpeg1 else (9 if mono else 17))
+    if head[tag:tag + 4] not in (b"Xing", b"Info"):
+        return None
+    flags = int.from_bytes(head[tag + 4:tag + 8], "big")
+    if not flags & 2:  # no byte count
+        return None
+    at = tag + 8 + (4 if flags & 1 else 0)
+    declared, held = int.from_bytes(head[at:at + 4], "big"), end - start - sync
+    fraction, minimum = JOINED_MP3_SLACK
+    if declared <= 0 or held <= declared + max(fraction * declared, minimum):
+        return None
+    return declared, held
+
+
 def _import_av():
     try:
         import av
@@ -206,8 +263,8 @@ def _import_av():
 
 
 class _AvSource:
-    """PyAV (FFmpeg) for containers libsndfile cannot read, and chained Ogg streams, which it
-    reads only in part; samples converted to float32."""
+    """PyAV (FFmpeg) for containers libsndfile cannot read, and chained Ogg streams and joined
+    MP3s, which it reads only in part; samples converted to float32."""
 
     def __init__(self, path: Path, what: str | None = None):
         self.path = path
