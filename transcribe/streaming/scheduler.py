@@ -4,8 +4,8 @@ checkpoints) or `ChunkedStreamPool` (offline-trained ones, chunked with left/rig
 `Scheduler.open` gives a new stream a slot, or a place in a bounded waiting queue (FIFO);
 `collect` takes at most one ready chunk from every active stream (whatever its position) for
 one batched pool step; `apply` hands the step's tokens back to the sessions and turns them into
-transcript updates (committed segments, the open tail, the final: `transcript.py`); `close` returns a slot (finish, error or disconnect) and admits the
-next waiting stream. Not thread-safe: the server calls everything from its event loop except
+transcript updates (committed segments, the open tail, the final: `transcript.py`); `close`
+returns a slot (finish, error or disconnect) and admits the next waiting stream. Not thread-safe: the server calls everything from its event loop except
 `StreamingModel.run` (pure compute on the pool), and slots closed while a step runs are
 released only after it (`begin_step` / `end_step`), so a step never writes a reused slot.
 """
