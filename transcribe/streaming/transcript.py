@@ -83,7 +83,7 @@ class StreamTranscript:
 
     def _build(self, tokens, frames, durations, start: int, end: int, until: float) -> Result:
         result = build_result(self.tokenizer, tokens[start:end], frames[start:end],
-                              durations[start:end] if self.kind != "rnnt" else durations, self.kind, self.timing)
+                              durations[start:end], self.kind, self.timing)
         return shift(result, 0.0, until=until)
 
     def _cuts(self, tokens, frames, durations, decoded_seconds: float) -> list[int]:
@@ -92,7 +92,7 @@ class StreamTranscript:
         if len(tokens) - start < 2:
             return []
         spans = token_spans(self.tokenizer, tokens[start:], frames[start:],
-                            durations[start:] if self.kind != "rnnt" else durations, self.kind)
+                            durations[start:], self.kind)
         punctuation = self.tokenizer.supported_punctuation
         # Word starts: a '▁' piece whose text does not open with punctuation (NeMo glues that
         # to the word before, and the transcript drops the space before it: "word 's" ->
