@@ -26,6 +26,7 @@ import torch
 
 from engines.decode_graphs import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
+from engines.whisper_languages import language_code
 from engines.whisper_words import split_segments
 from transcribe.results import Result, Segment, Word
 from transcribe.stitching import shift
@@ -359,12 +360,13 @@ class WhisperEngine:
 
 
 def language_options(language: str, task: str = "transcribe") -> DecodeOptions:
-    """`--language`: a language code of the model's vocabulary (en, de, ...; an unknown one fails
-    at load), or auto: each piece's own, detected as OpenAI's `detect_language` does. English-only
+    """`--language`: a language of the model's vocabulary, as a code or a name (en, de, german,
+    ...: `whisper_languages.language_code`; one the vocabulary lacks fails at load), or auto: each piece's own, detected as OpenAI's `detect_language` does. English-only
     (.en) models take en or auto. auto misread 2 of 235 English files here (whisper-base: one as
     Latin, still English text, one as Russian), hence en by default. `--task`: transcribe, or
     translate into English (multilingual models; the language stays the spoken one)."""
-    return DecodeOptions(language=None if language == "auto" else language, task=task)
+    code = language_code(language)
+    return DecodeOptions(language=None if code == "auto" else code, task=task)
 
 
 def _clip(res: WindowResult, duration: float) -> WindowResult:

@@ -257,7 +257,9 @@ def test_option_values_no_model_takes_are_usage_errors(tmp_path):
     audio, out = str(ref.audio_path(0)), str(tmp_path / "x")
     for flags, says in ((("--device", "tpu"), "expected auto, cpu, cuda or cuda:N"),
                         (("--task", "summarise"), "expected transcribe or translate"),
-                        (("--language", "klingon"), "expected a language code"),
+                        (("--language", "klingon"), "not a Whisper language code or name"),
+                        (("--language", "germn"), "did you mean german?"),
+                        (("--language", "German"), "--language is for Whisper models"),
                         (("--language", "DE"), "--language is for Whisper models"),
                         (("--task", "translate"), "--task translate is for Whisper models"),
                         (("--batch-seconds", "inf"), "expected a finite number of seconds")):

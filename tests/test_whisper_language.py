@@ -14,7 +14,9 @@ import torch
 from conftest import NEMO_REF, SPEECH, bundled_whisper_fp32
 from engines.decode_graphs import DecodeMode
 from engines.whisper_decoding import DecodeOptions
+from engines.whisper_engine import language_options
 from engines.whisper_graph import WhisperGraphs
+from engines.whisper_languages import LANGUAGES, language_code
 from transcribe.results import Result, Word
 from transcribe.stitching import main_language, stitch
 from transcribe.writers import write_json
@@ -160,7 +162,21 @@ def test_cli_language_auto_writes_each_files_language(tmp_path):
     rows = {r["audio_filepath"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
     assert rows[str(files[0])]["settings"] == {"language": "en", "task": "translate"}
     assert rows[str(files[1])]["settings"] == {"language": "auto", "task": "transcribe"}
-    assert "1 already done" in run_cli(*translate).stderr
+    # A language's name is its code: "English" asks for what the default en did.
+    assert "1 already done" in run_cli(*translate, "--language", "English").stderr
+
+
+def test_language_names_read_as_codes():
+    """--language takes OpenAI's codes and names (and its aliases) in any case; other two or
+    three letters pass on to the vocabulary; anything else names the nearest spellings."""
+    assert [language_code(v) for v in ("en", "EN", "German", "haitian  creole", "Mandarin", "lao", "yue",
+                                       "Auto", "xx")] == ["en", "en", "de", "ht", "zh", "lo", "yue", "auto", "xx"]
+    assert len(LANGUAGES) == 100 and all(language_code(name) == code for code, name in LANGUAGES.items())
+    with pytest.raises(ValueError, match=r"did you mean portuguese\?"):
+        language_code("portugese")
+    with pytest.raises(ValueError, match="not a Whisper language code or name; expected"):
+        language_code("klingon")
+    assert language_options("Spanish").language == "es" and language_options("auto").language is None
 
 
 @torch.inference_mode()

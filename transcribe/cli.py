@@ -31,7 +31,7 @@ DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (CUDA: unrolled; 
 DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: float16 on CUDA, bfloat16 on CPUs with bf16), float32, "
               "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
               "decoder staying float32), float16 (CUDA).")
-LANGUAGE_HELP = ("Whisper: the spoken language's code (default en; de, fr, ... as the model's vocabulary has them), "
+LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de or german, fr, ... as the model's vocabulary has them), "
                  "or auto to detect it per piece (up to 30 s). Parakeet models take none.")
 TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
@@ -113,6 +113,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     given)."""
     from engines.checkpoint import CheckpointError
     from engines.loader import OptionError, load_engine
+    from engines.whisper_languages import language_code
     from transcribe.inputs import InputError, discover, parse_shard, shard
     from transcribe.workers import Prespawned, default_workers
     from engines.decode_graphs import DecodeMode
@@ -131,9 +132,10 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     if task not in ("transcribe", "translate"):
         raise _fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
     if language is not None:
-        language = language.lower()  # codes are lower case: EN means en
-        if not re.fullmatch(r"auto|[a-z]{2,3}", language):
-            raise _fail(f"--language {language!r}: expected a language code (en, de, yue, ...) or auto", EXIT_USAGE)
+        try:
+            language = language_code(language)  # EN, English, english: en
+        except ValueError as e:
+            raise _fail(str(e), EXIT_USAGE)
     if batch_seconds is not None and not math.isfinite(batch_seconds):
         raise _fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
     options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
