@@ -104,6 +104,8 @@ class LogMelFrontend:
 class ParakeetEngine:
     """Transcribes batches of 16 kHz float32 pieces with one loaded `.nemo` model."""
 
+    detects_language = False  # no language prompt (v3 finds the language itself, per piece)
+
     def __init__(self, name: str, features: LogMel, encoder: ConformerEncoder, decoder, tokenizer: Tokenizer,
                  kind: str, timing: FrameTiming, device: str = "cpu", encoder_backend: str = "auto",
                  backend_options: BackendOptions = BackendOptions(), features_on: str = "auto"):
@@ -249,10 +251,12 @@ class ParakeetEngine:
         return x, lengths
 
     @torch.inference_mode()
-    def transcribe_features(self, pieces: list[torch.Tensor]) -> list[Result]:
+    def transcribe_features(self, pieces: list[torch.Tensor], languages: list[str | None] | None = None
+                            ) -> list[Result]:
         """Per-piece frontend output, float32: features [n_mels, F_i], or audio [1, T_i] with
         features on the device (views are fine: they are copied into the batch before this
-        returns) -> one Result per piece."""
+        returns) -> one Result per piece. languages: ignored, a transducer takes no language
+        prompt (`detects_language` is False)."""
         feats, flen = self._encoder_input(pieces)
         t = time.perf_counter()
         enc, elen = self.encoder_backend(feats, flen)

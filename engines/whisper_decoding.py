@@ -161,19 +161,22 @@ class GreedyDecoder:
         return fastest_threads(run, rounds=2)
 
     @torch.inference_mode()
-    def decode(self, mel: Tensor, frames: list[int] | None = None, words: bool = False) -> list[WindowResult]:
+    def decode(self, mel: Tensor, frames: list[int] | None = None, words: bool = False,
+               languages: list[str | None] | None = None) -> list[WindowResult]:
         """mel: [B, n_mels, 3000] -> one WindowResult per window (same order). words: also word
         times (`whisper_alignment`), for which frames gives each window's mel frames of real
-        audio (None: all 3000)."""
+        audio (None: all 3000). languages: a window's language where it is known already (its
+        file's, `start`), None where it is to be detected."""
         t = time.perf_counter()
         audio = self.model.encoder(mel.to(self.device))
         self.stage_seconds.lap("encoder", t)
-        return self.decode_audio(audio, frames, words)
+        return self.decode_audio(audio, frames, words, languages)
 
     @torch.inference_mode()
-    def decode_audio(self, audio: Tensor, frames: list[int] | None = None, words: bool = False) -> list[WindowResult]:
+    def decode_audio(self, audio: Tensor, frames: list[int] | None = None, words: bool = False,
+                     languages: list[str | None] | None = None) -> list[WindowResult]:
         """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use (see
-        `decode` for frames and words). The cross K/V projection, the prompt and the word
+        `decode` for frames, words and languages). The cross K/V projection, the prompt and the word
         alignment run with all threads (the projection is one [B * 1500, d] GEMM per layer:
         1.3 s with 1 thread, 0.8 s with 2 for 16 windows of base), the token loop with
         `cpu_threads`."""
@@ -183,12 +186,12 @@ class GreedyDecoder:
         results = None
         if built is not None:  # None also once a failed capture fell back to eager
             try:
-                results, order = self._chunked(audio, *built)
+                results, order = self._chunked(audio, *built, languages)
                 cross_k, cross_v = built[0].cross_k, built[0].cross_v
             except GRAPH_ERRORS as e:  # a replay the driver refuses: eager decodes this batch
                 self.graphs.replay_failed(e)
         if results is None or self.graphs.unverified:  # eager, or a new capture's first batch
-            eager, cache, eager_order = self._greedy(audio)
+            eager, cache, eager_order = self._greedy(audio, languages)
             if results is None or not self.graphs.agrees_with_eager([r.tokens for r in results],
                                                                      [r.tokens for r in eager]):
                 results, order, cross_k, cross_v = eager, eager_order, cache.cross_k, cache.cross_v
@@ -215,13 +218,15 @@ class GreedyDecoder:
         With the language left to detection, <|startoftranscript|> runs alone first and each
         row's language is the likeliest language token after it (OpenAI's `detect_language`,
         whose forward pass is this one: the same position, audio and cache), unless `languages`
-        gives the rows' (the fallback keeps the greedy pass's); the rest of the prompt follows."""
+        gives the row's (the fallback keeps the greedy pass's; a file's later pieces take the
+        language of its first: None rows alone are detected); the rest of the prompt follows."""
         prompt = torch.tensor(self.prompt, device=self.device).expand(n, -1)
         if self.detect_language:
             first = self.model.decoder(prompt[:, :1], cache)
-            if languages is None:
+            if languages is None or None in languages:
                 ids = torch.tensor(list(self.languages), device=self.device)
-                languages = [self.languages[i] for i in ids[first[:, 0, ids].argmax(-1)].tolist()]
+                detected = [self.languages[i] for i in ids[first[:, 0, ids].argmax(-1)].tolist()]
+                languages = [g or d for g, d in zip(languages or [None] * n, detected)]
             chosen = torch.tensor([self.language_ids[c] for c in languages], device=self.device)
             logits = torch.cat([first, self.model.decoder(torch.cat([chosen[:, None], prompt[:, 2:]], 1), cache)], 1)
         else:
@@ -232,11 +237,12 @@ class GreedyDecoder:
             no_speech = logits[:, 0].softmax(-1)[:, self.tok.no_speech].cpu()
         return logits[:, -1], no_speech, languages
 
-    def _greedy(self, audio: Tensor) -> tuple[list[WindowResult], KVCache, list[int]]:
+    def _greedy(self, audio: Tensor, languages: list[str | None] | None = None
+                ) -> tuple[list[WindowResult], KVCache, list[int]]:
         """audio: encoder states [B, n_audio_ctx, d] -> (results, the cache, the window whose
-        cross K/V each cache row holds). Cross K/V are projected once."""
+        cross K/V each cache row holds). Cross K/V are projected once. languages: `start`."""
         cache = self.model.decoder.new_cache(audio, self.opts.max_length)
-        progress, no_speech = self.token_loop(cache, audio.shape[0])
+        progress, no_speech = self.token_loop(cache, audio.shape[0], languages=languages)
         return self.results(progress, no_speech), cache, progress.order
 
     def token_loop(self, cache: KVCache, n: int, sampler: Sampler | None = None,
@@ -264,14 +270,15 @@ class GreedyDecoder:
                 logits = self.model.decoder(nxt[:, None], cache)[:, 0]
         return progress, no_speech
 
-    def _chunked(self, audio: Tensor, static: StaticDecoding, runner: Runner) -> tuple[list[WindowResult], list[int]]:
+    def _chunked(self, audio: Tensor, static: StaticDecoding, runner: Runner,
+                 languages: list[str | None] | None = None) -> tuple[list[WindowResult], list[int]]:
         """The graph modes' loop: `runner.steps` steps on the device per chunk, then one host
         read of the chunk's tokens. The loop check runs where eager runs it (every
         `loop_check_every` steps, which chunks never straddle); when fewer live rows fit a
         smaller batch bucket, they move to the front of the static buffers and its graph runs.
         -> (results, the window whose cross K/V each static row holds)."""
         n = audio.shape[0]
-        no_speech, languages = static.load(audio)
+        no_speech, languages = static.load(audio, languages)
         b = static.bucket(n)
         progress, s0 = Progress(n, rows=b, languages=languages), 0
         with decoder_threads(self.device, self.cpu_threads):

@@ -172,6 +172,12 @@ class WhisperEngine:
         return {"language": opts.language or "auto", "task": opts.task}
 
     @property
+    def detects_language(self) -> bool:
+        """--language auto on a multilingual model: the pipeline decodes each file's later
+        pieces in the language of its first (`Engine.detects_language`)."""
+        return self.decoder.detect_language
+
+    @property
     def runtime(self) -> str:
         """How the model runs, for the one-line startup note: dtypes, the decoder mode and, for
         multilingual models, the language (or auto)."""
@@ -217,14 +223,17 @@ class WhisperEngine:
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
         return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in pieces])
 
-    def transcribe_features(self, features: list[torch.Tensor], continuations: int = CONTINUATIONS,
-                            tails: bool = False) -> list[Result]:
+    def transcribe_features(self, features: list[torch.Tensor], languages: list[str | None] | None = None,
+                            continuations: int = CONTINUATIONS, tails: bool = False) -> list[Result]:
         """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s).
 
         Longest first, as `decode_windows`: rows then finish roughly from the last one up, and
         the token loop's compaction (`Progress.keep`) has fewer rows to move. A silent piece
         (`SILENCE_LOG_MEL`) gets an empty result without being decoded; a piece whose text
-        stops short of its audio is decoded on from its last timestamp (`_decode_tails`)."""
+        stops short of its audio is decoded on from its last timestamp (`_decode_tails`), in
+        the piece's language. languages: with `detects_language`, a piece's language where its
+        file's is known (None: detect it), as `Engine.transcribe_features` says."""
+        languages = languages or [None] * len(features)
         out: list[Result | None] = [Result(text="") if float(f.amax()) <= SILENCE_LOG_MEL else None for f in features]
         reached: dict[int, float] = {}  # piece -> seconds its text reached
         order = sorted((i for i, r in enumerate(out) if r is None), key=lambda i: -features[i].shape[1])
@@ -236,7 +245,8 @@ class WhisperEngine:
             seconds = [frames_to_seconds(f.shape[1]) for f in chunk]
             frames = [audio_frames(round(s * SAMPLE_RATE)) for s in seconds]
             self.stage_seconds.lap("batch", t0)
-            results = self.decoder.decode(mel, frames, words=self.word_timestamps)
+            results = self.decoder.decode(mel, frames, words=self.word_timestamps,
+                                          languages=[languages[i] for i in idx])
             for i, sec, res in zip(idx, seconds, results):
                 if tails and res.no_speech_prob > TAIL_NO_SPEECH:
                     out[i] = Result(text="")
@@ -269,7 +279,9 @@ class WhisperEngine:
             if float(tail.amax()) > SILENCE_LOG_MEL:
                 tails.append(tail)
                 where.append((i, end))
-        for (i, end), more in zip(where, self.transcribe_features(tails, continuations - 1, tails=True) if tails else []):
+        decoded = self.transcribe_features(tails, [out[i].language for i, _ in where], continuations - 1,
+                                           tails=True) if tails else []
+        for (i, end), more in zip(where, decoded):
             if more.text:
                 more = shift(more, end)
                 r = out[i]

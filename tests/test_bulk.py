@@ -329,7 +329,7 @@ def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, 
 
     real, calls = engine.transcribe_features, []
 
-    def fragile(views):
+    def fragile(views, languages=None):
         if not calls:
             time.sleep(1.0)  # let the worker fill the slab: the next batches are big
         calls.append((len(views), len(views) * max(v.shape[1] for v in views)))  # rows x frames
@@ -337,7 +337,7 @@ def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         if any(v.shape[1] == bad_frames for v in views):
             raise RuntimeError("index out of range in self (a bad piece)")
-        return real(views)
+        return real(views, languages)
 
     monkeypatch.setattr(engine, "transcribe_features", fragile)
     stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1, batch_seconds=1000)
@@ -353,6 +353,74 @@ def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, 
         assert n == 1 or not ran_out or padded < min(ran_out), calls
     assert "running it in halves" in capsys.readouterr().err
     _assert_clean(out)
+
+
+def test_a_model_that_detects_the_language_detects_it_once_per_file(tmp_path, monkeypatch):
+    """With `detects_language` (Whisper, --language auto) each file's first piece detects and
+    its later pieces wait, then decode in its language; transcripts are as in a plain run. A
+    first piece that says nothing passes detection to the next; a file whose detecting piece
+    the model fails on fails alone, and the slots of its waiting pieces go back to the pool:
+    every piece's slot is released exactly once."""
+    import dataclasses
+    import time
+
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+    from transcribe.results import Result
+    from transcribe.workers import WorkerPool
+
+    inp = tmp_path / "in"
+    short = _copies(inp, 3)
+    long = inp / "long.flac"  # 816 s: about 25 pieces of at most 40 s
+    shutil.copy(SPEECH / "longform" / "librispeech_test-other_100utt_concat.flac", long)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    pipeline.run(engine, discover([str(inp)]), tmp_path / "plain", ["txt"], workers=1)
+    expected = {Path(r["audio_filepath"]).name: r["text"] for r in _rows(tmp_path / "plain")}
+
+    engine.detects_language = True
+    real, calls, first_frames = engine.transcribe_features, [], set()
+
+    def detecting(views, languages=None):
+        rows = [(v.shape[1], lang) for v, lang in zip(views, languages)]
+        calls.append(rows)
+        results = real(views, languages)
+        for i, (frames, lang) in enumerate(rows):
+            if lang is None and frames in first_frames:
+                time.sleep(1.0)  # the worker delivers the file's later pieces meanwhile: they wait
+                results[i] = Result("")  # silent: the next piece detects
+            elif lang is None and first_frames and frames not in short_frames:
+                raise RuntimeError("a detecting piece the model fails on")
+        return [dataclasses.replace(r, language=lang or (r.language if first_frames else "xx"))
+                for r, (_, lang) in zip(results, rows)]
+
+    monkeypatch.setattr(engine, "transcribe_features", detecting)
+    stats = pipeline.run(engine, discover([str(inp)]), tmp_path / "out", ["txt"], workers=1)
+    assert stats.files_ok == 4 and {Path(r["audio_filepath"]).name: r["text"]
+                                    for r in _rows(tmp_path / "out")} == expected
+    rows = [row for call in calls for row in call]
+    assert sum(lang is None for _, lang in rows) == 4  # one detecting piece per file
+    assert sum(lang == "xx" for _, lang in rows) >= 20 and {lang for _, lang in rows} == {None, "xx"}
+    short_frames = {engine.frontend(sf.read(p, dtype="float32")[0]).shape[1] for p in short}
+    first_frames.update(f for f, lang in rows if lang is None and f not in short_frames)
+    assert len(first_frames) == 1  # the long file's first piece
+
+    pieces, released = [], []
+    on_event, release = pipeline._Job._on_event, WorkerPool.release
+    monkeypatch.setattr(pipeline._Job, "_on_event", lambda self, event, *a: (
+        pieces.append(event[1].slot) if event[0] == "piece" else None, on_event(self, event, *a))[1])
+    monkeypatch.setattr(WorkerPool, "release", lambda self, slots: (released.extend(slots), release(self, slots))[1])
+    calls.clear()
+    stats = pipeline.run(engine, discover([str(inp)]), tmp_path / "failing", ["txt"], workers=1)
+    failing = {Path(r["audio_filepath"]).name: r for r in _rows(tmp_path / "failing")}
+    assert (stats.files_ok, stats.files_failed) == (3, 1)
+    assert "model failed on a piece of it: RuntimeError: a detecting piece" in failing["long.flac"]["error"]
+    assert {n: r["text"] for n, r in failing.items() if n != "long.flac"} == \
+        {n: t for n, t in expected.items() if n != "long.flac"}
+    detected = [lang for call in calls for _, lang in call]
+    assert detected.count(None) == 5 and "xx" not in detected  # 3 short, the silent one, the failing one
+    assert len(pieces) > 10 and sorted(released) == sorted(pieces)
+    _assert_clean(tmp_path / "failing")
 
 
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_path):
@@ -419,8 +487,8 @@ def test_a_job_runs_in_the_smallest_slab_a_small_dev_shm_allows(tmp_path, monkey
     sizes = []
     run_batch = pipeline._Job._run_batch
     monkeypatch.setattr(pipeline._Job, "_run_batch",
-                        lambda self, batch, pool, slab: (sizes.append((len(batch), slab.spec.n_slots)),
-                                                         run_batch(self, batch, pool, slab))[1])
+                        lambda self, batch, batcher, pool, slab: (sizes.append((len(batch), slab.spec.n_slots)),
+                                                                  run_batch(self, batch, batcher, pool, slab))[1])
     stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1)
     assert (stats.files_ok, stats.files_failed) == (6, 0)
     assert {n for _, n in sizes} == {3} and max(b for b, _ in sizes) <= 2

@@ -76,6 +76,25 @@ def test_static_path_detects_as_eager_does(model, audio, mode):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("mode", [DecodeMode.EAGER, DecodeMode.UNROLLED])
+def test_given_languages_fix_their_rows_and_the_rest_detect(model, audio, mode):
+    """A file's later pieces come with its language (None: detect): those rows decode in it,
+    the same tokens as a decoder fixed to it; the others detect, as with no languages given."""
+    detected = random_decoder(model, DETECT).decode_audio(audio)
+    flip = {"en": "de", "de": "en"}
+    given = [flip[r.language] if w % 2 else None for w, r in enumerate(detected)]
+    dec = random_decoder(model, DETECT)
+    if mode is not DecodeMode.EAGER:
+        dec.graphs = WhisperGraphs(dec, mode, capture=False)  # the graph modes' steps, uncaptured
+    mixed = dec.decode_audio(audio, languages=given)
+    assert [r.language for r in mixed] == [g or r.language for g, r in zip(given, detected)]
+    forced = {code: random_decoder(model, DecodeOptions(language=code, max_length=60, temperatures=GREEDY)
+                                   ).decode_audio(audio) for code in flip}
+    for w, r in enumerate(mixed):
+        assert r.tokens == (detected[w] if given[w] is None else forced[given[w]][w]).tokens, w
+
+
+@torch.inference_mode()
 def test_fallback_samples_keep_the_windows_language(model, audio, monkeypatch):
     """Every window fails (logprob_threshold 0): each temperature samples it best_of times in
     the language the greedy pass detected, and the winner carries it."""
@@ -164,6 +183,32 @@ def test_cli_language_auto_writes_each_files_language(tmp_path):
     assert rows[str(files[1])]["settings"] == {"language": "auto", "task": "transcribe"}
     # A language's name is its code: "English" asks for what the default en did.
     assert "1 already done" in run_cli(*translate, "--language", "English").stderr
+
+
+def test_cli_language_auto_detects_once_per_file(tmp_path):
+    """A file cut into pieces is decoded in its first piece's language, as OpenAI detects once
+    per file: JFK, then (after a pause the cutter splits at) test-other 2414-128291-0008, which
+    whisper-base alone hears as Arabic or Russian. Detected per piece, the file's second half
+    came out in Arabic script."""
+    import numpy as np
+    import soundfile as sf
+    import soxr
+
+    from test_cli import run_cli
+
+    bundled_whisper_fp32(1)  # skips without the bundled model or the shared speech
+    jfk, rate = sf.read(SPEECH / "jfk" / "jfk.flac", dtype="float32", always_2d=True)
+    other, _ = sf.read(SPEECH / "librispeech_test_other/2414/2414-128291-0008.flac", dtype="float32")
+    pause = np.zeros(16000 * 2, np.float32)
+    joined = np.concatenate([soxr.resample(jfk.mean(1), rate, 16000), pause, pause, other] + [pause] * 7)
+    sf.write(tmp_path / "joined.wav", joined, 16000)  # 32 s: cut into pieces at the first pause
+    proc = run_cli(str(tmp_path / "joined.wav"), "--out", str(tmp_path / "out"), "--model", "whisper-base",
+                   "--language", "auto", "--format", "json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads((tmp_path / "out" / "joined.json").read_text())
+    assert out["language"] == "en" and out["text"].startswith("And so my fellow Americans")
+    late = [s for s in out["segments"] if s["start"] > 13.0]
+    assert late and all(s["text"].isascii() for s in late), late  # the second piece is in English too
 
 
 def test_language_names_read_as_codes():

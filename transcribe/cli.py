@@ -32,7 +32,7 @@ DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Wh
               "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
               "decoder staying float32), float16 (CUDA).")
 LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de or german, fr, ... as the model's vocabulary has them), "
-                 "or auto to detect it per piece (up to 30 s). Parakeet models take none.")
+                 "or auto to detect it once per file, from its first piece with speech. Parakeet models take none.")
 TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."

@@ -45,10 +45,16 @@ class Engine(Protocol):
     frontend: Frontend
     stage_seconds: dict[str, float]  # accumulated time per stage, filled by the engine
 
+    # The model detects the spoken language (Whisper with --language auto): the pipeline decodes
+    # a file's later pieces in its first piece's language (`transcribe/file_language.py`).
+    detects_language: bool
+
     def reserve(self, max_items: int) -> None: ...  # preallocate batch buffers, once at startup
 
     # frontend outputs [n_mels, F_i] float32 (views into shared memory: copy before returning)
-    # -> Result per piece
-    def transcribe_features(self, features: list[torch.Tensor]) -> list[Result]: ...
+    # -> Result per piece. languages (with detects_language): per piece, its file's language,
+    # or None to detect it (Result.language says what was found); else None.
+    def transcribe_features(self, features: list[torch.Tensor],
+                            languages: list[str | None] | None = None) -> list[Result]: ...
 
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...  # frontend + the above

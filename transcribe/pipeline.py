@@ -33,6 +33,7 @@ from transcribe import heap
 from transcribe.audio import AudioError, audio_info
 from transcribe.batching import Batcher, PaddingStats
 from transcribe.engine_api import Engine, Frontend
+from transcribe.file_language import FileLanguages
 from transcribe.inputs import InputFile, output_stems
 from transcribe.output_writer import OutputWriter
 from transcribe.results import Result
@@ -162,6 +163,8 @@ class _Job:
         self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
                                     identities)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
+        # A model that detects the language: a file's later pieces wait for its first's.
+        self.languages = FileLanguages() if engine.detects_language else None
         self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 
     def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
@@ -180,7 +183,7 @@ class _Job:
             try:
                 for fid, f in list(self.files.items()):
                     if f.file.problem:  # a manifest line that names nothing we can open
-                        self._fail(fid, f.file.problem)
+                        self._fail(fid, f.file.problem, pool)
                     else:
                         pool.submit(fid, str(f.file.path), f.file.span)
                 while self.files:
@@ -191,7 +194,7 @@ class _Job:
                     for event in _events(pool, 0.0 if len(batcher) else IDLE_S):
                         self._on_event(event, batcher, pool, slab)
                     if len(batcher):
-                        self._run_batch(batcher.take(), pool, slab)
+                        self._run_batch(batcher.take(), batcher, pool, slab)
                     self.outputs.flush()
             except Interrupted:
                 self.outputs.flush()  # what was transcribed before ^C is written
@@ -208,9 +211,7 @@ class _Job:
             if f is None:  # the file failed already: its features are not wanted
                 pool.release([event[1].slot])
                 return
-            batch = batcher.add(event[1], event[1].samples / self.engine.sample_rate)
-            if batch:
-                self._run_batch(batch, pool, slab)
+            self._add(event[1], batcher, pool, slab)
         elif kind == "done":
             if f is not None:
                 f.expected, f.samples = event[2], event[3]
@@ -218,11 +219,19 @@ class _Job:
         elif kind == "error":
             if f is not None:
                 pool.release([p.slot for p in batcher.drop(lambda p: p.fid == fid)])
-                self._fail(fid, event[2])
+                self._fail(fid, event[2], pool)
         elif kind == "fatal":
             raise event[1]
 
-    def _run_batch(self, batch: list[Piece], pool: WorkerPool, slab: Slab) -> None:
+    def _add(self, piece: Piece, batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:
+        """Into its length bucket (a full bucket runs now), unless it waits for its file's language."""
+        if self.languages is not None and not self.languages.admit(piece):
+            return
+        batch = batcher.add(piece, piece.samples / self.engine.sample_rate)
+        if batch:
+            self._run_batch(batch, batcher, pool, slab)
+
+    def _run_batch(self, batch: list[Piece], batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:
         try:
             outcomes = self._transcribe(batch, slab)
         finally:
@@ -233,12 +242,15 @@ class _Job:
             if isinstance(r, str) and p.fid in self.files:
                 failed.setdefault(p.fid, r)
         for fid, reason in failed.items():
-            self._fail(fid, f"{self.files[fid].file.path}: model failed on a piece of it: {reason}")
+            self._fail(fid, f"{self.files[fid].file.path}: model failed on a piece of it: {reason}", pool)
         for p, r in zip(batch, outcomes):
             f = self.files.get(p.fid)
             if f is not None:
                 f.pieces[p.index] = (p.offset_s, r)
+                released = self.languages.decided(p, r) if self.languages is not None else []
                 self._maybe_finish(p.fid)
+                for q in released:  # the file's pieces that waited for its language
+                    self._add(q, batcher, pool, slab)
         self.outputs.flush()  # the batch's files written together (the loop flushes those its events finish)
 
     def _transcribe(self, batch: list[Piece], slab: Slab) -> list[Result | str]:
@@ -251,8 +263,9 @@ class _Job:
         if len(batch) > 1 and size >= self.split_at_s:
             return self._halves(batch, slab)
         views = [torch.from_numpy(slab.view(p.slot, (p.n_mels, p.frames))) for p in batch]
+        languages = [self.languages.language(p) for p in batch] if self.languages is not None else None
         try:
-            return list(self.engine.transcribe_features(views))
+            return list(self.engine.transcribe_features(views, languages))
         except RuntimeError as e:  # torch's error type, torch.OutOfMemoryError included
             error = e
         finally:
@@ -279,9 +292,13 @@ class _Job:
         start = f.file.offset or 0.0  # a segment's times too are seconds from the start of the file
         result = stitch([r for _, r in parts], [start + o for o, _ in parts], start + seconds)
         del self.files[fid]
+        if self.languages is not None:
+            self.languages.forget(fid)
         self.outputs.finished(f.file, result, seconds)
 
-    def _fail(self, fid: int, error: str) -> None:
+    def _fail(self, fid: int, error: str, pool: WorkerPool) -> None:
+        if self.languages is not None:  # pieces held for the language: their slots go back
+            pool.release([p.slot for p in self.languages.forget(fid)])
         self.outputs.fail(self.files.pop(fid).file, error)
 
 
