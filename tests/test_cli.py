@@ -99,6 +99,18 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
     assert rows5["a.flac"]["model"] == str(other.nemo) and len(rows5) == len(status)
     assert (out / "a.txt").read_text().strip() == other.files[0]["transcribe_text"].strip()
 
+    # Each ok line names its outputs; a format this run did not write (the other model's srt,
+    # left in place) is not taken as done by a later run that asks for it again.
+    assert rows5["a.flac"]["outputs"] == ["a.txt", "a.srt"]
+    p6 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "txt")
+    assert "0 already done" in p6.stderr
+    stale = (out / "a.srt").stat().st_mtime_ns
+    p7 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "txt,srt")
+    assert "0 already done" in p7.stderr and (out / "a.srt").stat().st_mtime_ns != stale
+    rows7 = {Path(r["audio_filepath"]).name: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert rows7["a.flac"]["outputs"] == ["a.txt", "a.srt"] and rows7["a.flac"]["model"] == str(ref.nemo)
+    assert "2 already done" in run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "srt").stderr
+
 
 @needs_shared
 def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another_model(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transcribe.inputs import InputFile
 from transcribe.results import Result
-from transcribe.writers import STOP_ERRNOS, ResultsLog, StagedWrites, write_outputs
+from transcribe.writers import STOP_ERRNOS, ResultsLog, StagedWrites, output_paths, write_outputs
 
 
 class OutputStopped(Exception):
@@ -70,7 +70,8 @@ class OutputWriter:
                 self._cannot_write(file, failed[stem])
                 continue
             self._log({**_names(file), "duration": round(seconds, 3), "text": result.text,
-                       "status": "ok", "error": None, **self.made_by, **self.identities[file.path]})
+                       "status": "ok", "error": None, **self.made_by, **self.identities[file.path],
+                       "outputs": [p.as_posix() for p in output_paths(self.stems[file.key], self.formats).values()]})
             self.stats.files_ok += 1
             self.stats.audio_seconds += seconds
             self.stats.texts[file.key] = result.text

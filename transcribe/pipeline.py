@@ -103,7 +103,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         identities = {f.path: file_identity(f.path) for f in files}
         todo, stats.files_skipped = plan_resume(
             files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
-            written=lambda f: all(p.exists() for p in output_paths(out_dir / stems[f.key], formats).values()))
+            outputs=lambda f: list(output_paths(stems[f.key], formats).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)

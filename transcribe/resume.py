@@ -66,14 +66,17 @@ def file_identity(path: Path) -> dict:
 
 def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities: dict[Path, dict],
                 model: str | None = None, settings: dict[str, str] | None = None,
-                written: Callable[[InputFile], bool] = lambda f: True) -> tuple[list[InputFile], int]:
+                outputs: Callable[[InputFile], list[Path]] = lambda f: []) -> tuple[list[InputFile], int]:
     """Drop files already done (same path, size and mtime as `identities` holds for it, the
     run's `file_identity` of each input path, status ok, by `model` and with
     `settings` when given, so a rerun with another model, or Whisper with another --language
-    or --task, transcribes again rather than keep the old text, and
-    `written`: the outputs this run asks for exist, so a rerun with `--format srt` after a
-    txt-only run writes the subtitles, and a deleted transcript is made again) and rewrite the
-    log without the lines of files about to be redone, so every file ends with one line."""
+    or --task, transcribes again rather than keep the old text, and `outputs`: the files
+    this run would write for it (paths relative to the log's folder) exist and are among the
+    line's own `outputs`, so a rerun with `--format srt` after a txt-only run writes the
+    subtitles, a deleted transcript is made again, and a json left by an earlier
+    transcription, or by another file that had the name before, is not taken for this one's)
+    and rewrite the log without the lines of files about to be redone, so every file ends
+    with one line. A line from before `outputs` were logged vouches for any that exist."""
     records = read_results(log_path)
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
@@ -84,13 +87,19 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
                 "size": r.get("size"), "mtime": r.get("mtime")
             } and (model is None or r.get("model") == model) and (
                 settings is None or r.get("settings", {}) == settings
-            ) and written(by_key[key]):
+            ) and _vouched(r, outputs(by_key[key]), log_path.parent):
                 done.add(key)
     keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))
     todo = [f for f in files if f.key not in done]
     return todo, len(files) - len(todo)
+
+
+def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:
+    """Every one of `outputs` exists and, where the line lists its outputs, is one of them."""
+    listed = record.get("outputs")
+    return all((out_dir / p).exists() and (listed is None or p.as_posix() in listed) for p in outputs)
 
 
 def sweep_leftovers(out_dir: Path) -> None:
