@@ -92,6 +92,21 @@ def test_a_missing_input_is_an_input_error(tmp_path):
         "gone.wav", "here.wav"]
 
 
+def test_a_missing_folder_or_a_path_that_cannot_be_looked_at_fails_alone(tmp_path):
+    """A cron job naming a folder that is not there today, or a path the system will not stat
+    (a name over 255 bytes; a folder without permission), fails with its reason in
+    results.jsonl, and the other inputs are still transcribed (it stopped the whole job, one
+    with a traceback)."""
+    _touch(tmp_path / "here.wav")
+    long = tmp_path / ("b" * 300 + ".flac")
+    files = discover([str(tmp_path / "incoming"), str(long), str(tmp_path / "here.wav")])
+    problems = {f.path.name: f.problem for f in files}
+    assert problems == {"incoming": f"{tmp_path / 'incoming'}: no such file or directory",
+                        long.name: f"{long}: cannot look at it (File name too long)", "here.wav": None}
+    with pytest.raises(InputError, match="incoming: no such file"):  # nothing else: no job
+        discover([str(tmp_path / "incoming")])
+
+
 def test_links_back_up_the_tree_are_walked_once(tmp_path):
     """`up -> ..` and `again -> ../a` inside `a/` made os.walk(followlinks=True) revisit the
     tree at every level: discovery ran for minutes (exponential in the depth it reached)."""

@@ -79,18 +79,23 @@ def discover(inputs: list[str]) -> list[InputFile]:
     missing: list[str] = []
     for arg in inputs:
         p = Path(arg).expanduser()
-        if p.is_dir():
+        try:
+            kind = "dir" if p.is_dir() else "file" if p.is_file() else "other" if p.exists() else None
+        except OSError as e:  # a path the system refuses to look at (no permission, too long)
+            found.append(InputFile(absolute(p), Path(p.name[:200]), problem=f"{arg}: cannot look at it ({e.strerror or e})"))
+            continue
+        if kind == "dir":
             found.extend(_walk(p))
-        elif p.suffix.lower() in MANIFEST_EXTENSIONS and p.is_file():
+        elif kind == "file" and p.suffix.lower() in MANIFEST_EXTENSIONS:
             found.extend(read_manifest(p))
-        elif p.exists() or p.suffix.lower() in AUDIO_EXTENSIONS:
-            # A missing audio file among others is still an input: it fails with a reason in
-            # results.jsonl (a file list from yesterday, one since deleted).
-            found.append(InputFile(absolute(p), Path(p.name)))
-            if not p.exists():
-                missing.append(arg)
         else:
-            raise InputError(f"{arg}: no such file or directory")
+            # A missing input among others is still an input: it fails with a reason in
+            # results.jsonl (a file list from yesterday, one since deleted; a folder a cron
+            # job names that is not there today), and the job goes on with the rest.
+            problem = None if kind or p.suffix.lower() in AUDIO_EXTENSIONS else f"{arg}: no such file or directory"
+            found.append(InputFile(absolute(p), Path(p.name), problem=problem))
+            if kind is None:
+                missing.append(arg)
     if missing and len(missing) == len(found):  # nothing at all to transcribe (a glob that matched nothing)
         raise InputError(f"{', '.join(missing)}: no such file or directory")
     seen: set[Path] = set()
