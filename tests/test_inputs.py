@@ -134,7 +134,9 @@ def test_inputs_that_share_a_relative_path_get_distinct_outputs(tmp_path):
     assert len(set(stems.values())) == len(files) == 5
     assert stems[(tmp_path / "a" / "x.flac").resolve()] == Path("a/x")
     assert stems[(tmp_path / "d/spk2/001.wav").resolve()] == Path("spk2/001")
-    assert stems[(tmp_path / "b" / "x.wav").resolve()] == Path("x")  # the only x.wav keeps its path
+    # b/x.wav goes with its folder, beside b/x.flac, and both keep their extensions.
+    assert stems[(tmp_path / "b" / "x.wav").resolve()] == Path("b/x.wav")
+    assert stems[(tmp_path / "b" / "x.flac").resolve()] == Path("b/x.flac")
     assert all(not s.is_absolute() for s in stems.values())
     # Every shard names a file as the whole run does (b/x.flac and b/x.wav keep their audio
     # extension even in a shard that holds one of them).
@@ -144,6 +146,20 @@ def test_inputs_that_share_a_relative_path_get_distinct_outputs(tmp_path):
     b = tmp_path / "b"
     assert sorted(str(s) for i in (1, 2) for s in output_stems(shard(discover([str(b)]), (i, 2))).values()) == [
         "x.flac", "x.wav"]
+
+
+def test_a_folder_argument_stays_one_tree_when_another_root_clashes_with_it(tmp_path):
+    """r1/talks/a.flac clashing with r2/talks/a.flac took r1's a.flac alone into `r1/talks/`:
+    its neighbours a.wav and a.flac.mp3, left in `talks/`, lost the extension the shared stem
+    gives them (a.flac.mp3 became `talks/a.flac`, a.flac's name in a run of r1 alone)."""
+    for name in ("a.flac", "a.wav", "a.flac.mp3", "b.FLAC"):
+        _touch(tmp_path / "r1" / "talks" / name)
+    _touch(tmp_path / "r2" / "talks" / "a.flac")
+    stems = {f.path.relative_to(tmp_path).as_posix(): f.stem.as_posix()
+             for f in discover([str(tmp_path / "r1"), str(tmp_path / "r2")])}
+    assert stems == {"r1/talks/a.flac": "r1/talks/a.flac", "r1/talks/a.wav": "r1/talks/a.wav",
+                     "r1/talks/a.flac.mp3": "r1/talks/a.flac.mp3", "r1/talks/b.FLAC": "r1/talks/b",
+                     "r2/talks/a.flac": "r2/talks/a"}
 
 
 def test_duplicates_are_listed_once(tmp_path):

@@ -76,15 +76,17 @@ def absolute(path: Path) -> Path:
 def discover(inputs: list[str]) -> list[InputFile]:
     """All audio files named by `inputs`, in a stable order, each once."""
     found: list[InputFile] = []
+    roots: list[int | None] = []  # per input found: the folder argument it was found under
     missing: list[str] = []
-    for arg in inputs:
-        p = Path(arg).expanduser()
+    for n, arg in enumerate(inputs):
+        p, before = Path(arg).expanduser(), len(found)
         try:
             kind = "dir" if p.is_dir() else "file" if p.is_file() else "other" if p.exists() else None
         except OSError as e:  # a path the system refuses to look at (no permission, too long)
-            found.append(InputFile(absolute(p), Path(p.name[:200]), problem=f"{arg}: cannot look at it ({e.strerror or e})"))
-            continue
-        if kind == "dir":
+            kind, refused = "refused", f"{arg}: cannot look at it ({e.strerror or e})"
+        if kind == "refused":
+            found.append(InputFile(absolute(p), Path(p.name[:200]), problem=refused))
+        elif kind == "dir":
             found.extend(_walk(p))
         elif kind == "file" and p.suffix.lower() in MANIFEST_EXTENSIONS:
             found.extend(read_manifest(p))
@@ -96,21 +98,26 @@ def discover(inputs: list[str]) -> list[InputFile]:
             found.append(InputFile(absolute(p), Path(p.name), problem=problem))
             if kind is None:
                 missing.append(arg)
+        roots.extend([n if kind == "dir" else None] * (len(found) - before))
     if missing and len(missing) == len(found):  # nothing at all to transcribe (a glob that matched nothing)
         raise InputError(f"{', '.join(missing)}: no such file or directory")
     seen: set[Path] = set()
-    unique = _distinct_rels([f for f in found if not (f.key in seen or seen.add(f.key))])
+    first = [i for i, f in enumerate(found) if not (f.key in seen or seen.add(f.key))]
+    unique = _distinct_rels([found[i] for i in first], [roots[i] for i in first])
     # Output names pinned over all the inputs, before any --shard takes its part of them.
     stems = output_stems(unique)
     return [replace(f, stem=stems[f.key]) for f in unique]
 
 
-def _distinct_rels(files: list[InputFile]) -> list[InputFile]:
+def _distinct_rels(files: list[InputFile], roots: list[int | None]) -> list[InputFile]:
     """Give inputs that share a relative path (`a/x.flac` and `b/x.flac` passed as roots `a/`
     and `b/`, or a manifest's absolute paths `/d/spk1/001.wav`, `/d/spk2/001.wav`) as many of
     their own folders as tell them apart (`a/x.flac`, `b/x.flac`; `spk1/001.wav`, ...), so
-    no output overwrites another. Done over all inputs before sharding, so every shard
-    writes a file to the same place."""
+    no output overwrites another. A file found under a folder argument (`roots`: its index,
+    else None) takes every file of that folder with it, so the folder's tree stays one tree
+    in the output (`b/x.wav` beside `b/x.flac`, keeping both their extensions), and a name
+    given to one of its files never depends on another root's. Done over all inputs before
+    sharding, so every shard writes a file to the same place."""
     while True:
         groups: dict[Path, list[int]] = {}
         for i, f in enumerate(files):
@@ -120,14 +127,20 @@ def _distinct_rels(files: list[InputFile]) -> list[InputFile]:
         clashes = [g for g in groups.values() if len({files[i].path for i in g}) > 1]
         if not clashes:
             return files
-        files = list(files)
+        files, grown = list(files), set()
         for group in clashes:
+            if any(roots[i] in grown for i in group):
+                continue  # a root grown for another clash: regrouped on the next pass
             parts = [files[i].path.parts[1:] for i in group]  # without the root: rel stays relative
             depth = len(files[group[0]].rel.parts) + 1
             while depth < max(map(len, parts)) and len({p[-depth:] for p in parts}) < len(set(parts)):
                 depth += 1
-            for i, p in zip(group, parts):
-                files[i] = replace(files[i], rel=Path(*p[-depth:]))
+            for i in group:
+                grow = depth - len(files[i].rel.parts)
+                for j in ([j for j, r in enumerate(roots) if r == roots[i]] if roots[i] is not None else [i]):
+                    files[j] = replace(files[j], rel=Path(*files[j].path.parts[1:][-(len(files[j].rel.parts) + grow):]))
+                if roots[i] is not None:
+                    grown.add(roots[i])
 
 
 def _walk(root: Path) -> list[InputFile]:
