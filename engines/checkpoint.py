@@ -78,9 +78,13 @@ class NemoArchive:
             self._tar = tarfile.open(self.path, "r:*")
         except tarfile.TarError as e:
             raise CheckpointError(f"{self.path}: not a .nemo (tar) archive: {e}") from e
-        self._members = {
-            os.path.basename(m.name): m for m in self._tar.getmembers() if m.isfile()
-        }
+        try:
+            members = self._tar.getmembers()
+        except (tarfile.TarError, EOFError, OSError) as e:  # a download cut short, most often
+            self._tar.close()
+            raise CheckpointError(f"{self.path}: the archive is cut short or damaged ({e}); "
+                                  f"download or copy it again") from e
+        self._members = {os.path.basename(m.name): m for m in members if m.isfile()}
         for required in (CONFIG_MEMBER, WEIGHTS_MEMBER):
             if required not in self._members:
                 raise CheckpointError(f"{self.path}: archive has no {required}")
@@ -119,7 +123,11 @@ class NemoArchive:
         assert f is not None
         # weights_only: a checkpoint is data, never code to run. mmap is impossible inside a
         # tar, but torch's zip reader seeks per tensor record, so memory holds each tensor once.
-        return torch.load(f, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, tarfile.TarError, OSError) as e:  # torch: "PytorchStreamReader failed ..."
+            raise CheckpointError(f"{self.path}: its weights cannot be read ({str(e).splitlines()[0]}); "
+                                  f"the archive may be cut short: download or copy it again") from e
 
 
 def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -90,17 +90,19 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     if whisper and features_on not in ("auto", "workers"):
         raise OptionError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
                          "features in the workers")
-    if name in WHISPER_NAMES:
+    if whisper:
         from engines.whisper_engine import WhisperEngine
+        from engines.whisper_tokenizer import LanguageTaskError
 
-        engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task)
-        engine.word_timestamps = word_timestamps
-        return engine
-    if is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
-        from engines.whisper_engine import WhisperEngine
-
-        engine = WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device, name=name,
-                                         decoder_mode=decoder_mode, dtype=dtype, language=language or "en", task=task)
+        try:
+            if name in WHISPER_NAMES:
+                engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task)
+            else:
+                engine = WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device,
+                                                 name=name, decoder_mode=decoder_mode, dtype=dtype,
+                                                 language=language or "en", task=task)
+        except LanguageTaskError as e:  # known only once the vocabulary is read
+            raise OptionError(f"{name}: {e}") from e
         engine.word_timestamps = word_timestamps
         return engine
     from engines.parakeet import ParakeetEngine

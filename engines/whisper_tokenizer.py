@@ -32,6 +32,11 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(keep, chars)}
 
 
+class LanguageTaskError(ValueError):
+    """A language or task this model's vocabulary cannot take (--language xx, --task translate
+    on an English-only model): the user's to change, a usage error."""
+
+
 @dataclass(frozen=True)
 class WhisperTokenizer:
     """Id <-> token tables plus the special ids decoding needs.
@@ -93,7 +98,7 @@ class WhisperTokenizer:
     def language_token(self, code: str) -> int:
         langs = self.languages
         if code not in langs:
-            raise ValueError(f"language={code!r} is not in this vocabulary ({len(langs)} languages)")
+            raise LanguageTaskError(f"language={code!r} is not in this vocabulary ({len(langs)} languages)")
         return langs[code]
 
     def sot_sequence(self, language: str | None = "en", timestamps: bool = True, task: str = "transcribe") -> list[int]:
@@ -105,7 +110,7 @@ class WhisperTokenizer:
         if self.is_multilingual:
             seq += [self.language_token(language or "en"), self.transcribe if task == "transcribe" else self.translate]
         elif task == "translate":
-            raise ValueError("an English-only model cannot translate: use a multilingual one")
+            raise LanguageTaskError("an English-only model cannot translate: use a multilingual one")
         if not timestamps:
             seq.append(self.no_timestamps)
         return seq

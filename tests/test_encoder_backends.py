@@ -253,6 +253,11 @@ def test_export_engine_onnx_only_matches_torch(tmp_path):
     assert out.stat().st_mode & 0o777 == FILE_MODE  # as readable as any file the user writes, not mkstemp's 0600
     p = _cli("--model", str(ref.nemo), "--onnx-only", "--onnx", str(tmp_path))  # a folder: refused up front
     assert p.returncode == 2 and "names a folder, not a file" in p.stderr
+    (tmp_path / "afile").write_text("")  # places that cannot be written: a message, not a traceback
+    for where in (("--cache-dir", str(tmp_path / "afile")), ("--onnx", str(tmp_path / "afile" / "e.onnx"))):
+        p = _cli("--model", str(ref.nemo), "--onnx-only", *where)
+        assert p.returncode == 1 and f"cannot write {tmp_path / 'afile'}" in p.stderr, (where, p.stderr)
+        assert "Traceback" not in p.stderr
     engine = ParakeetEngine.from_nemo(ref.nemo, "cpu")
     feats, flen = engine._batch(_features(engine, ref))
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])

@@ -144,3 +144,23 @@ def test_network_is_probed_only_on_a_cache_miss(hf_cache, monkeypatch):
     with pytest.raises(CheckpointError, match="not in the Hugging Face cache and the hub is unreachable"):
         resolve_checkpoint("parakeet-tdt-0.6b-v3")
     assert len(attempts) == 1
+
+
+@needs_shared
+def test_a_checkpoint_cut_short_is_a_clear_error(tmp_path):
+    """A .nemo cut short (a download or copy that stopped) raised tarfile's ReadError, a
+    traceback; a damaged weights member raised torch's. Both name the file and what to do."""
+    from engines.checkpoint import NemoArchive
+
+    whole = (NEMO_REF / "tdt_tiny" / "model.nemo").read_bytes()
+    for cut in (100_000, len(whole) - 100_000):
+        (tmp_path / "cut.nemo").write_bytes(whole[:cut])
+        with pytest.raises(CheckpointError, match=r"cut\.nemo: the archive is cut short or damaged .*download or copy it again"):
+            NemoArchive(tmp_path / "cut.nemo")
+    start = whole.index(b"PK\x03\x04")  # the weights' zip inside the tar, damaged in its middle
+    damaged = bytearray(whole)
+    damaged[start + 200_000:start + 260_000] = bytes(60_000)
+    (tmp_path / "damaged.nemo").write_bytes(bytes(damaged))
+    with NemoArchive(tmp_path / "damaged.nemo") as archive:
+        with pytest.raises(CheckpointError, match=r"damaged\.nemo: its weights cannot be read"):
+            archive.state_dict()

@@ -168,7 +168,7 @@ def test_cli_language_auto_writes_each_files_language(tmp_path):
     assert json.loads((tmp_path / "jfk.json").read_text())["language"] == "en"
     assert json.loads((tmp_path / "2414-128291-0008.json").read_text())["language"] == "ru"
     bad = run_cli(str(files[0]), "--out", str(tmp_path / "x"), "--model", "whisper-base", "--language", "xx")
-    assert bad.returncode == 1 and "language='xx' is not in this vocabulary" in bad.stderr
+    assert bad.returncode == 2 and "language='xx' is not in this vocabulary" in bad.stderr  # a usage error
     # Translating English speech into English keeps it English. Into the same folder: the
     # language and task are part of what is done, so the file is redone, not skipped as done
     # by the auto-language run, and a second identical run skips it.

@@ -83,13 +83,16 @@ def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> in
     except (CheckpointError, ValueError, OSError) as e:
         raise ExportError(f"cannot load model: {e}") from e
     cache_dir = req.cache_dir or default_cache_dir()
-    if req.onnx is not None or req.onnx_only:
-        out = req.onnx or cache_dir / "onnx" / f"{nemo.stem}-{model_digest(nemo, cache_dir)[:16]}.onnx"
-        echo(f"encoder ONNX -> {export_onnx(nemo, out)}")
-        if req.onnx_only:
-            return EXIT_OK
-        _tensorrt_ready()
-    profiles = feature_profiles(fcfg, BackendOptions(req.max_batch, req.batch_seconds, req.precision))
-    path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir)
+    try:
+        if req.onnx is not None or req.onnx_only:
+            out = req.onnx or cache_dir / "onnx" / f"{nemo.stem}-{model_digest(nemo, cache_dir)[:16]}.onnx"
+            echo(f"encoder ONNX -> {export_onnx(nemo, out)}")
+            if req.onnx_only:
+                return EXIT_OK
+            _tensorrt_ready()
+        profiles = feature_profiles(fcfg, BackendOptions(req.max_batch, req.batch_seconds, req.precision))
+        path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir)
+    except OSError as e:  # an --onnx or --cache-dir that cannot be written (read-only, a file)
+        raise ExportError(f"cannot write {e.filename or cache_dir}: {e.strerror or e}") from e
     echo(f"TensorRT engine ({req.precision}, {len(profiles)} profiles) {'built' if built else 'already cached'}: {path}")
     return EXIT_OK
