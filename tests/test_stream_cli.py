@@ -83,10 +83,12 @@ def test_stream_prints_segments_partials_and_the_final_as_the_server_sends_them(
     msgs = [json.loads(line) for line in lines]
     assert all("stream_id" not in m for m in msgs)
     assert [m["type"] for m in msgs][-1] == "final" and msgs[-1]["text"] == summary["text"]
-    segments = [m["text"] for m in msgs if m["type"] == "segment"]
+    segments = [m for m in msgs if m["type"] == "segment"]
     last_partial = [m for m in msgs if m["type"] == "partial"][-1]
-    assert len(segments) >= 3 and last_partial["index"] <= len(segments)  # the last step may commit more
-    assert summary["text"].startswith(join_texts(segments))
+    assert len(segments) >= 3 and last_partial["index"] == len(segments) and msgs[-2] is last_partial
+    # Whichever a client reads, the segments and the last partial, or the final, it ends the same.
+    assert join_texts([m["text"] for m in segments] + [last_partial["text"]]) == summary["text"]
+    assert [w for m in segments + [last_partial] for w in m["words"]] == msgs[-1]["words"]
     text_lines: list[str] = []
     stream_file(audio, str(NEMO_REF / "tdt_tiny" / "model.nemo"), echo=text_lines.append,
                 chunk_ms=2000, left_ms=4000, right_ms=500)

@@ -34,16 +34,14 @@ class ClientRun:
         return next((m for m in self.messages if m["type"] == "error"), None)
 
     def transcripts(self) -> list[str]:
-        """The transcript so far after each partial and the final: the segments received
-        before it, then its own text (protocol.py)."""
+        """The transcript so far after each step: the segments received before its partial,
+        then the partial's text (protocol.py; the last step's equals the final)."""
         out, committed = [], []
         for m in self.messages:
             if m["type"] == "segment":
                 committed.append(m["text"])
             elif m["type"] == "partial":
                 out.append(join_texts([*committed, m["text"]]))
-            elif m["type"] == "final":
-                out.append(m["text"])
         return out
 
     def final_latency(self) -> float | None:

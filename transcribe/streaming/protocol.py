@@ -146,13 +146,13 @@ def result_message(kind: str, stream_id: str, result: Result, audio_seconds: flo
 
 def update_messages(stream_id: str, update: Update, audio_seconds: float) -> list[dict[str, Any]]:
     """One step's messages for a stream: its new segments, then the open tail as a partial,
-    or, once the stream has ended, the final (no partial)."""
+    then, once the stream has ended, the final. The last step's partial too is sent, so the
+    segments and the last partial always join to the final, whichever a client reads."""
     out = [result_message("segment", stream_id, seg, audio_seconds, update.first_index + k)
            for k, seg in enumerate(update.segments)]
+    out.append(result_message("partial", stream_id, update.open, audio_seconds, update.open_index))
     if update.final is not None:
         out.append(result_message("final", stream_id, update.final, audio_seconds))
-    else:
-        out.append(result_message("partial", stream_id, update.open, audio_seconds, update.open_index))
     return out
 
 
