@@ -54,8 +54,8 @@ class EncoderConfig:
             raise _unsupported("n_heads", self.n_heads, f"a divisor of d_model={self.d_model}")
         if self.subsampling not in SUBSAMPLINGS:
             raise _unsupported("subsampling", self.subsampling, ", ".join(SUBSAMPLINGS))
-        if self.subsampling_factor not in (2, 4, 8, 16):
-            raise _unsupported("subsampling_factor", self.subsampling_factor, "2, 4, 8, 16")
+        if self.subsampling_factor not in (4, 8, 16):  # the factors checked against NeMo (README)
+            raise _unsupported("subsampling_factor", self.subsampling_factor, "4, 8, 16")
         if self.self_attention_model != "rel_pos":
             raise _unsupported("self_attention_model", self.self_attention_model, "rel_pos")
         if self.att_context_style not in ATT_STYLES:

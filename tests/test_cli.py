@@ -379,3 +379,15 @@ def test_a_missing_optional_package_is_a_clear_error_not_a_traceback(tmp_path, m
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert "cannot load model: the TensorRT encoder needs the `tensorrt` package" in err and "Traceback" not in err
+
+
+def test_the_main_help_names_every_other_command():
+    """`transcribe --help` is where a user looks first: it named only bench and models."""
+    from transcribe.cli import sub_app
+
+    names = [c.name or c.callback.__name__.replace("_", "-") for c in sub_app.registered_commands]
+    assert {"bench", "merge", "models", "stream", "serve", "export-engine"} <= set(names)
+    p = run_cli("--help")
+    assert p.returncode == 0
+    text = " ".join(p.stdout.split())
+    assert all(f"transcribe {n}" in text for n in names), (names, text)

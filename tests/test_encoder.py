@@ -83,6 +83,7 @@ TINY = dict(feat_in=80, n_layers=2, d_model=64, n_heads=2, subsampling="dw_strid
     [
         ("subsampling", "vggnet"),
         ("subsampling_factor", 3),
+        ("subsampling_factor", 2),  # NeMo has it; no checkpoint, so no reference, uses it
         ("self_attention_model", "abs_pos"),
         ("att_context_style", "chunked_limited_with_rc"),
         ("conv_norm_type", "instance_norm"),

@@ -178,7 +178,9 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
 
 @main_app.command(
     help="Transcribe audio files, directories (recursive) and NeMo JSONL manifests.\n\n"
-    "Other commands: `transcribe bench INPUT...` (RTFx/WER report), `transcribe models`."
+    "Other commands (each with --help): `transcribe bench INPUT...` (RTFx/WER report), `transcribe merge "
+    "SHARD_OUT_DIR... --out DIR`, `transcribe models`, `transcribe stream FILE`, `transcribe serve`, "
+    "`transcribe export-engine` (TensorRT)."
 )
 def transcribe(
     inputs: List[str] = typer.Argument(..., help="Audio files, directories or .jsonl manifests."),
