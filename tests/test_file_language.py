@@ -59,3 +59,71 @@ def test_a_failed_first_piece_gives_the_held_pieces_back():
     assert langs.decided(p0, "RuntimeError: boom") == []  # the pipeline fails the file
     assert sorted(p.index for p in langs.forget(0)) == [1, 2]  # whose slots go back
     assert langs.forget(0) == []
+
+
+class _Pool:
+    def __init__(self):
+        self.released: list[int] = []
+
+    def release(self, slots):
+        self.released += slots
+
+
+class _Slab:
+    def view(self, slot, shape):
+        import numpy as np
+
+        return np.zeros(shape, np.float32)
+
+
+class _Outputs:
+    def __init__(self):
+        self.failed, self.finished_files = [], []
+
+    def fail(self, file, error):
+        self.failed.append(error)
+
+    def finished(self, file, result, seconds):
+        self.finished_files.append(file)
+
+    def flush(self):
+        pass
+
+
+class _Detecting:
+    """An engine that detects "de" and fails on the piece with 7 frames, alone or in a batch."""
+
+    name, device, settings, sample_rate, bucket_edges_s = "stub", "cpu", {}, 16000, (30.0,)
+    detects_language, stage_seconds = True, {}
+
+    def transcribe_features(self, views, languages=None):
+        if any(v.shape[1] == 7 for v in views):
+            raise RuntimeError("a piece the model fails on")
+        return [Result("hallo", language=lang or "de") for lang in languages]
+
+
+def test_held_pieces_of_a_file_that_fails_while_they_are_batched_give_their_slots_back():
+    """The first piece decides; the 14 held pieces are batched, 10 to a full batch, which runs
+    at once and fails the file (its 4th piece; halving isolates it). The pieces still being
+    released after that belonged to a failed file: they were admitted again under a fresh
+    state, held for good, and their slots never came back (enough of them stall the run)."""
+    from pathlib import Path
+
+    import transcribe.pipeline as pipeline
+    from transcribe.batching import Batcher
+    from transcribe.inputs import InputFile
+
+    job = pipeline._Job.__new__(pipeline._Job)
+    job.engine, job.outputs, job.split_at_s = _Detecting(), _Outputs(), float("inf")
+    job.languages = FileLanguages()
+    job.files = {0: pipeline._File(InputFile(Path("/a.wav"), Path("a.wav")))}
+    pool, slab = _Pool(), _Slab()
+    batcher = Batcher((30.0,), 300.0, 100)  # 10 pieces of 20 s to a full batch
+    pieces = [Piece(0, i, 100 + i, 1, 7 if i == 3 else 3, 20.0 * i, 16000 * 20) for i in range(15)]
+    for p in pieces:
+        job._add(p, batcher, pool, slab)
+    assert len(batcher) == 1 and len(job.languages.files[0].held) == 14
+    job._run_batch(batcher.take(), batcher, pool, slab)
+    assert job.files == {} and "a piece the model fails on" in job.outputs.failed[0]
+    assert len(batcher) == 0 and job.languages.files == {}
+    assert sorted(pool.released) == [p.slot for p in pieces]  # each slot back, once

@@ -208,9 +208,6 @@ class _Job:
         kind, fid = event[0], (event[1].fid if event[0] == "piece" else event[1])
         f = self.files.get(fid) if isinstance(fid, int) else None
         if kind == "piece":
-            if f is None:  # the file failed already: its features are not wanted
-                pool.release([event[1].slot])
-                return
             self._add(event[1], batcher, pool, slab)
         elif kind == "done":
             if f is not None:
@@ -224,7 +221,12 @@ class _Job:
             raise event[1]
 
     def _add(self, piece: Piece, batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:
-        """Into its length bucket (a full bucket runs now), unless it waits for its file's language."""
+        """Into its length bucket (a full bucket runs now), unless it waits for its file's
+        language; a piece of a file that has failed already gives its slot back (one a worker
+        was still cutting, or a held piece released into a batch that failed the file)."""
+        if piece.fid not in self.files:
+            pool.release([piece.slot])
+            return
         if self.languages is not None and not self.languages.admit(piece):
             return
         batch = batcher.add(piece, piece.samples / self.engine.sample_rate)
