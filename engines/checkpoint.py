@@ -9,8 +9,10 @@ member is a seekable window of the archive), so a 2.4 GB checkpoint costs no tem
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import tarfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,8 +127,14 @@ class NemoArchive:
         # tar, but torch's zip reader seeks per tensor record, so memory holds each tensor once.
         try:
             return torch.load(f, map_location="cpu", weights_only=True)
-        except (RuntimeError, EOFError, tarfile.TarError, OSError) as e:  # torch: "PytorchStreamReader failed ..."
-            raise CheckpointError(f"{self.path}: its weights cannot be read ({str(e).splitlines()[0]}); "
+        except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile,
+                tarfile.TarError, OSError) as e:  # torch: "PytorchStreamReader failed ...", a bad pickle
+            # torch's weights-only refusal suggests weights_only=False: code from the file would
+            # run. A checkpoint is data; a pickle that is not plain tensors is damaged or foreign.
+            reason = ("the weights' index is damaged or holds more than tensors"
+                      if isinstance(e, pickle.UnpicklingError) else
+                      (str(e).strip().splitlines() or [type(e).__name__])[0])
+            raise CheckpointError(f"{self.path}: its weights cannot be read ({reason}); "
                                   f"the archive may be cut short: download or copy it again") from e
 
 

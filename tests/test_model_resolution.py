@@ -164,3 +164,11 @@ def test_a_checkpoint_cut_short_is_a_clear_error(tmp_path):
     with NemoArchive(tmp_path / "damaged.nemo") as archive:
         with pytest.raises(CheckpointError, match=r"damaged\.nemo: its weights cannot be read"):
             archive.state_dict()
+    pickled = whole.index(b"\x80\x02", whole.index(b"data.pkl"))  # the weights' pickled index
+    damaged = bytearray(whole)
+    damaged[pickled:pickled + 2] = b"\xff\xff"
+    (tmp_path / "damaged.nemo").write_bytes(bytes(damaged))
+    with NemoArchive(tmp_path / "damaged.nemo") as archive:
+        with pytest.raises(CheckpointError, match=r"index is damaged or holds more than tensors") as caught:
+            archive.state_dict()
+    assert "weights_only" not in str(caught.value)  # not torch's advice to run the file's code

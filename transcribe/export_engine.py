@@ -93,6 +93,7 @@ def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> in
         profiles = feature_profiles(fcfg, BackendOptions(req.max_batch, req.batch_seconds, req.precision))
         path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir)
     except OSError as e:  # an --onnx or --cache-dir that cannot be written (read-only, a file)
-        raise ExportError(f"cannot write {e.filename or cache_dir}: {e.strerror or e}") from e
+        verb = "read" if e.filename is not None and Path(e.filename) == nemo else "write"
+        raise ExportError(f"cannot {verb} {e.filename or cache_dir}: {e.strerror or e}") from e
     echo(f"TensorRT engine ({req.precision}, {len(profiles)} profiles) {'built' if built else 'already cached'}: {path}")
     return EXIT_OK
