@@ -378,3 +378,6 @@ def test_a_segment_decodes_the_samples_of_its_span(tmp_path):
     with pytest.raises(AudioError, match="offset past the end"):
         with AudioStream(tmp_path / "x.flac", SR, span=(4.0, 1.0)) as stream:
             list(stream.blocks())
+    with pytest.raises(AudioError, match="an empty segment: duration 0 at offset 1 s"):  # not "past the end"
+        with AudioStream(tmp_path / "x.flac", SR, span=(1.0, 0.0)) as stream:
+            list(stream.blocks())

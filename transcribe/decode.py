@@ -126,6 +126,8 @@ class AudioStream:
                     yield held
                 held = out
         if n_in == 0:
+            if self.span is not None and self.span[1] == 0:
+                raise AudioError(self.path, f"an empty segment: duration 0 at offset {self.span[0]:g} s")
             if self.span is not None:
                 raise AudioError(self.path, f"no audio samples from {self.span[0]:g} s on (offset past the end)")
             raise AudioError(self.path, "no audio samples (0 frames)")
