@@ -353,8 +353,8 @@ def test_a_capture_whose_first_batch_differs_from_eager_falls_back(base, monkeyp
     fallback read eager's cache)."""
     chunked = GreedyDecoder._chunked
 
-    def broken(self, audio, static, runner):
-        results, order = chunked(self, audio, static, runner)
+    def broken(self, audio, static, runner, languages=None):
+        results, order = chunked(self, audio, static, runner, languages)
         return [dataclasses.replace(r, tokens=r.tokens[:-1]) if i < 2 else r for i, r in enumerate(results)], order
 
     monkeypatch.setattr(GreedyDecoder, "_chunked", broken)
