@@ -80,6 +80,21 @@ def test_a_manifest_line_that_cannot_be_read_fails_alone_with_its_line_and_reaso
         assert str(f.path) == path and f.problem.startswith(f"{where}:{line}: {reason}"), (line, f)
 
 
+def test_a_broken_line_repeating_a_path_fails_under_its_own_line(tmp_path):
+    """A line with a bad duration naming the same file as a good line was dropped as its
+    duplicate, with no word; placed first, it dropped the good line and failed the file."""
+    _touch(tmp_path / "a.flac")
+    for order in ((0, 1), (1, 0)):
+        rows = [{"audio_filepath": "a.flac", "text": "x"}, {"audio_filepath": "a.flac", "duration": "ten"}]
+        m = tmp_path / "m.jsonl"
+        m.write_text("".join(json.dumps(rows[i]) + "\n" for i in order))
+        got = {str(f.path): f for f in discover([str(m)])}
+        bad_line = f"{m.resolve()}:{order.index(1) + 1}"
+        assert set(got) == {str((tmp_path / "a.flac").resolve()), bad_line}, order
+        assert got[str((tmp_path / "a.flac").resolve())].problem is None
+        assert got[bad_line].problem.startswith(f"{bad_line}: duration 'ten' is not a number")
+
+
 def test_a_missing_input_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         discover([str(tmp_path / "nothing")])

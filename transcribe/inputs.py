@@ -179,15 +179,21 @@ def read_manifest(path: Path) -> list[InputFile]:
     reason (`InputFile.problem`), under its audio path if it names one, else under
     `MANIFEST:LINE`, so it shows in results.jsonl and the run exits 3 with the rest done."""
     manifest = absolute(path)
-    out = []
+    out, linenos = [], []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():
                 out.append(_manifest_entry(raw, manifest, lineno))
+                linenos.append(lineno)
     # `offset: 0` alone (some tools write it for whole files) means the whole file, named as
     # one; a file with a segment further in, or several lines, is read segment by segment.
     lines = Counter(f.path for f in out if f.offset is not None)
-    return [replace(f, offset=None) if f.offset == 0.0 and lines[f.path] == 1 else f for f in out]
+    out = [replace(f, offset=None) if f.offset == 0.0 and lines[f.path] == 1 else f for f in out]
+    # A broken line naming the same input as another line would be dropped as its duplicate
+    # (silently), or, coming first, drop the good one: it fails under its own line instead.
+    keys = Counter(f.key for f in out)
+    return [replace(f, path=where, rel=Path(where.name), offset=None) if f.problem and keys[f.key] > 1 else f
+            for f, where in zip(out, (Path(f"{manifest}:{n}") for n in linenos))]
 
 
 def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
