@@ -3,16 +3,16 @@
 OpenAI's `transcribe` and faster-whisper detect the language once per file, from its first
 30 s, and decode every window in it. Our pieces of a file decode in parallel, so detecting per
 piece came free, but it let a long monolingual file flip language mid-way: whisper-base misreads
-the language of about 1 % of English pieces, that is about two pieces in an hour of speech,
-each then transcribed in, or translated into, another language.
+the language of about 1 % of English pieces (2 of our 235 English files), one or two pieces in
+an hour of speech, each then transcribed in, or translated into, another language.
 
 `FileLanguages` keeps the pipeline to OpenAI's rule. A file's first piece is batched at once
 and detects; the file's later pieces are held (in their slab slots) until it is decoded, then
 batched with its language. A first piece that decides nothing (silent, or no text: music, noise)
-passes the choice to the next piece. A held piece waits for one batch, as the first piece
-is already in the batcher, and the main loop runs a batch whenever the batcher holds a piece. That
-relies on a file's pieces arriving in order, which they do: one worker cuts a file front to
-back and its events keep their order.
+passes the choice to the next piece. A held piece waits one batch per deciding piece: that
+piece is already in the batcher, and the main loop runs a batch whenever the batcher holds
+one. That relies on a file's pieces arriving in order, which they do: one worker cuts a file
+front to back and its events keep their order.
 """
 from __future__ import annotations
 
