@@ -70,9 +70,10 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     (engines.encoder_backend.BackendOptions: the profiles' batch limits, TensorRT's cache) apply
     to Parakeet only: Whisper computes its features in the workers. `word_timestamps` applies to
     Whisper, whose word times take an extra alignment pass (engines/whisper_alignment.py);
-    Parakeet's come with its decoding. `language` (a code or name, or auto: detected once per
-    file, transcribe/file_language.py; None: en) and `task` (transcribe, or translate into English) are Whisper's; Parakeet models take
-    no language (v2 is English, v3 finds the language itself) and only transcribe."""
+    Parakeet's come with its decoding. `language` (a code or name, or auto: detected once per file,
+    transcribe/file_language.py; None: en) and `task` (transcribe, or translate into English) are
+    Whisper's; Parakeet models take no language (v2 is English, v3 finds the language itself) and
+    only transcribe."""
     name = choose_model(model)
     if name not in REGISTRY and name not in WHISPER_NAMES and Path(name).expanduser().exists():
         # A path names the model by where it is, however it was typed: results.jsonl records

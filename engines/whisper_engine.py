@@ -372,12 +372,12 @@ class WhisperEngine:
 
 
 def language_options(language: str, task: str = "transcribe") -> DecodeOptions:
-    """`--language`: a language of the model's vocabulary, as a code or a name (en, de, german,
-    ...: `whisper_languages.language_code`; one the vocabulary lacks fails at load), or auto:
-    detected as OpenAI's `detect_language` does, once per file by the pipeline
-    (`detects_language`). English-only (.en) models take en or auto. auto misread 2 of 235 English files here (whisper-base: one as
-    Latin, still English text, one as Russian), hence en by default. `--task`: transcribe, or
-    translate into English (multilingual models; the language stays the spoken one)."""
+    """`--language`: a language of the model's vocabulary, as a code or a name (en, de, german, ...:
+    `whisper_languages.language_code`; one the vocabulary lacks fails at load), or auto: detected as
+    OpenAI's `detect_language` does, once per file by the pipeline (`detects_language`).
+    English-only (.en) models take en or auto. auto misread 2 of 235 English files here
+    (whisper-base: one as Latin, still English text, one as Russian), hence en by default. `--task`:
+    transcribe, or translate into English (multilingual models; the language stays the spoken one)."""
     code = language_code(language)
     return DecodeOptions(language=None if code == "auto" else code, task=task)
 
