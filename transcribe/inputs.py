@@ -118,6 +118,10 @@ def _distinct_rels(files: list[InputFile], roots: list[int | None]) -> list[Inpu
     in the output (`b/x.wav` beside `b/x.flac`, keeping both their extensions), and a name
     given to one of its files never depends on another root's. Done over all inputs before
     sharding, so every shard writes a file to the same place."""
+    members: dict[int, list[int]] = {}  # folder argument -> its files' indices
+    for j, r in enumerate(roots):
+        if r is not None:
+            members.setdefault(r, []).append(j)
     while True:
         groups: dict[Path, list[int]] = {}
         for i, f in enumerate(files):
@@ -137,7 +141,7 @@ def _distinct_rels(files: list[InputFile], roots: list[int | None]) -> list[Inpu
                 depth += 1
             for i in group:
                 grow = depth - len(files[i].rel.parts)
-                for j in ([j for j, r in enumerate(roots) if r == roots[i]] if roots[i] is not None else [i]):
+                for j in members.get(roots[i], [i]):
                     files[j] = replace(files[j], rel=Path(*files[j].path.parts[1:][-(len(files[j].rel.parts) + grow):]))
                 if roots[i] is not None:
                     grown.add(roots[i])
