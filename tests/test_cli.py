@@ -111,6 +111,14 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
     assert rows7["a.flac"]["outputs"] == ["a.txt", "a.srt"] and rows7["a.flac"]["model"] == str(ref.nemo)
     assert "2 already done" in run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "srt").stderr
 
+    # A run for a format the lines lack keeps the formats they had (same audio, model and
+    # settings): a txt,srt run after it finds every file done, rather than redo them all.
+    p8 = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "json")
+    assert "0 already done" in p8.stderr
+    rows8 = {Path(r["audio_filepath"]).name: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert rows8["a.flac"]["outputs"] == ["a.json", "a.txt", "a.srt"]
+    assert "2 already done" in run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out), "--format", "txt,srt").stderr
+
 
 @needs_shared
 def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another_model(tmp_path):

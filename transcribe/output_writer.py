@@ -28,11 +28,13 @@ class OutputWriter:
     """One run's writing: `stats` (pipeline.RunStats) counts what is written, `bar` steps."""
 
     def __init__(self, out_dir: Path, formats: list[str], stems: dict[Path, Path], log: ResultsLog, model: str,
-                 settings: dict[str, str], stats, bar, identities: dict[Path, dict]):
+                 settings: dict[str, str], stats, bar, identities: dict[Path, dict],
+                 kept: dict[Path, list[str]] | None = None):
         self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
         # Each input path's size and mtime from before any worker read it (pipeline.run): taken
         # at the write, a file still growing while the run read it matched for good.
         self.identities = identities
+        self.kept = kept or {}  # key -> earlier outputs its line goes on listing (resume.ResumePlan)
         # What a rerun compares besides the model (engine_api.Engine.settings); none: no key.
         self.made_by = {"model": model, **({"settings": settings} if settings else {})}
         self.stats, self.bar = stats, bar
@@ -71,7 +73,8 @@ class OutputWriter:
                 continue
             self._log({**_names(file), "duration": round(seconds, 3), "text": result.text,
                        "status": "ok", "error": None, **self.made_by, **self.identities[file.path],
-                       "outputs": [p.as_posix() for p in output_paths(self.stems[file.key], self.formats).values()]})
+                       "outputs": [p.as_posix() for p in output_paths(self.stems[file.key], self.formats).values()]
+                       + self.kept.get(file.key, [])})
             self.stats.files_ok += 1
             self.stats.audio_seconds += seconds
             self.stats.texts[file.key] = result.text

@@ -41,7 +41,7 @@ from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_le
 from transcribe.shm import Slab
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
-from transcribe.writers import ResultsLog, output_paths
+from transcribe.writers import WRITERS, ResultsLog, output_paths
 
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
@@ -101,9 +101,10 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         # the log, and what the log records. A file still growing or replaced while the run
         # reads it is logged as it was here, so the next run sees the change and does it again.
         identities = {f.path: file_identity(f.path) for f in files}
-        todo, stats.files_skipped = plan_resume(
+        todo, stats.files_skipped, kept = plan_resume(
             files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
-            outputs=lambda f: list(output_paths(stems[f.key], formats).values()))
+            outputs=lambda f: list(output_paths(stems[f.key], formats).values()),
+            names=lambda f: list(output_paths(stems[f.key], list(WRITERS)).values()))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
@@ -111,7 +112,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         try:
             with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
                 if todo:
-                    job = _Job(engine, todo, stems, identities, out_dir, formats, log, stats, bar)
+                    job = _Job(engine, todo, stems, identities, kept, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
             bar.close()
@@ -158,10 +159,11 @@ class _Job:
     """One run's moving parts: the pool's events in, batches through the engine, files out."""
 
     def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], identities: dict[Path, dict],
-                 out_dir: Path, formats: list[str], log: ResultsLog, stats: RunStats, bar: "_Progress"):
+                 kept: dict[Path, list[str]], out_dir: Path, formats: list[str], log: ResultsLog, stats: RunStats,
+                 bar: "_Progress"):
         self.engine, self.stats = engine, stats
         self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
-                                    identities)
+                                    identities, kept)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
         # A model that detects the language: a file's later pieces wait for its first's.
         self.languages = FileLanguages() if engine.detects_language else None

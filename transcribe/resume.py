@@ -3,7 +3,8 @@
 A file is done when results.jsonl has an ok line for its path with the same size and
 modification time, by the same model and settings, and its outputs exist (`plan_resume`); a
 rerun skips it and redoes everything else (failed or changed files), after dropping their old
-lines so each file ends with exactly one. One run at a time holds
+lines so each file ends with exactly one. A file redone only for a format its line lacks keeps
+the formats it had on its new line (`ResumePlan.kept`). One run at a time holds
 a folder (`out_dir_lock`).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from transcribe.inputs import InputFile, record_key
 from transcribe.shm import sweep_stale
@@ -64,9 +65,20 @@ def file_identity(path: Path) -> dict:
     return {"size": st.st_size, "mtime": st.st_mtime_ns}
 
 
+class ResumePlan(NamedTuple):
+    todo: list[InputFile]  # the files to transcribe, in the order given
+    skipped: int  # files already done
+    # key -> outputs (paths relative to the log's folder) that an earlier transcription of the
+    # same audio by the same model and settings wrote, that this run does not rewrite and that
+    # its line still lists: they stay listed on the file's new line. Without this, a run with
+    # `-f srt` after txt runs dropped txt from the lines and the next txt run redid every file.
+    kept: dict[Path, list[str]]
+
+
 def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities: dict[Path, dict],
                 model: str | None = None, settings: dict[str, str] | None = None,
-                outputs: Callable[[InputFile], list[Path]] = lambda f: []) -> tuple[list[InputFile], int]:
+                outputs: Callable[[InputFile], list[Path]] = lambda f: [],
+                names: Callable[[InputFile], list[Path]] = lambda f: []) -> ResumePlan:
     """Drop files already done (same path, size and mtime as `identities` holds for it, the
     run's `file_identity` of each input path, status ok, by `model` and with
     `settings` when given, so a rerun with another model, or Whisper with another --language
@@ -76,24 +88,32 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     subtitles, a deleted transcript is made again, and a json left by an earlier
     transcription, or by another file that had the name before, is not taken for this one's)
     and rewrite the log without the lines of files about to be redone, so every file ends
-    with one line. A line from before `outputs` were logged vouches for any that exist."""
+    with one line. A line from before `outputs` were logged vouches for any that exist.
+    `names`: every output the file's name has this run (all formats): only those can be `kept`
+    (a name another file had in an earlier run, before two files' names clashed, is not)."""
     records = read_results(log_path)
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
-    done = set()
+    done, kept = set(), {}
     if not force:
         for r, key in zip(records, keys):
             if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
                 "size": r.get("size"), "mtime": r.get("mtime")
             } and (model is None or r.get("model") == model) and (
                 settings is None or r.get("settings", {}) == settings
-            ) and _vouched(r, outputs(by_key[key]), log_path.parent):
-                done.add(key)
+            ):
+                f = by_key[key]
+                if _vouched(r, outputs(f), log_path.parent):
+                    done.add(key)
+                    continue
+                ours, named = {p.as_posix() for p in outputs(f)}, {p.as_posix() for p in names(f)}
+                kept[key] = [p for p in r.get("outputs") or () if p not in ours and p in named
+                             and (log_path.parent / p).exists()]
     keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))
     todo = [f for f in files if f.key not in done]
-    return todo, len(files) - len(todo)
+    return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done})
 
 
 def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:
