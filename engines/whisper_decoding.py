@@ -90,6 +90,7 @@ class WindowResult:
     words: tuple[tuple[float, float, str, float], ...] = ()
     temperature: float = 0.0  # > 0: the temperature fallback's sample (`whisper_fallback`)
     language: str | None = None  # the language code it was decoded in (None: an English-only model)
+    language_probability: float | None = None  # the detection's, where this window detected it
 
 
 class GreedyDecoder:
@@ -211,9 +212,10 @@ class GreedyDecoder:
         return results
 
     def start(self, cache: KVCache, n: int, languages: list[str | None] | None = None
-              ) -> tuple[Tensor, Tensor, list[str | None]]:
+              ) -> tuple[Tensor, Tensor, list[str | None], list[float | None]]:
         """Run the prompt for n windows into `cache` (cross K/V already there) -> the first
-        step's logits [n, V] fp32, the no-speech probabilities [n] (CPU) and each row's language.
+        step's logits [n, V] fp32, the no-speech probabilities [n] (CPU), each row's language
+        and, for a row that detected it, its probability among the languages (else None).
 
         With the language left to detection, <|startoftranscript|> runs alone first and each
         row's language is the likeliest language token after it (OpenAI's `detect_language`,
@@ -221,12 +223,18 @@ class GreedyDecoder:
         gives the row's (the fallback keeps the greedy pass's; a file's later pieces take the
         language of its first: None rows alone are detected); the rest of the prompt follows."""
         prompt = torch.tensor(self.prompt, device=self.device).expand(n, -1)
+        probs: list[float | None] = [None] * n
         if self.detect_language:
             first = self.model.decoder(prompt[:, :1], cache)
             if languages is None or None in languages:
                 ids = torch.tensor(list(self.languages), device=self.device)
-                detected = [self.languages[i] for i in ids[first[:, 0, ids].argmax(-1)].tolist()]
-                languages = [g or d for g, d in zip(languages or [None] * n, detected)]
+                scores = first[:, 0, ids].float()
+                best = scores.argmax(-1)
+                top = scores.softmax(-1).gather(1, best[:, None])[:, 0]
+                detected = [self.languages[i] for i in ids[best].tolist()]
+                given = languages or [None] * n
+                probs = [None if g else p for g, p in zip(given, top.tolist())]
+                languages = [g or d for g, d in zip(given, detected)]
             chosen = torch.tensor([self.language_ids[c] for c in languages], device=self.device)
             logits = torch.cat([first, self.model.decoder(torch.cat([chosen[:, None], prompt[:, 2:]], 1), cache)], 1)
         else:
@@ -235,7 +243,7 @@ class GreedyDecoder:
         no_speech = torch.zeros(n)
         if self.tok.no_speech >= 0:  # OpenAI reads it at the <|startoftranscript|> position
             no_speech = logits[:, 0].softmax(-1)[:, self.tok.no_speech].cpu()
-        return logits[:, -1], no_speech, languages
+        return logits[:, -1], no_speech, languages, probs
 
     def _greedy(self, audio: Tensor, languages: list[str | None] | None = None
                 ) -> tuple[list[WindowResult], KVCache, list[int]]:
@@ -250,8 +258,8 @@ class GreedyDecoder:
         """The eager token loop over n rows of `cache` (cross K/V filled): greedy, or with
         `sampler` drawing each token at a temperature; languages: see `start`.
         -> (progress, no-speech probabilities)."""
-        logits, no_speech, languages = self.start(cache, n, languages)
-        state, progress = RuleState.new(n, self.device), Progress(n, languages=languages)
+        logits, no_speech, languages, probs = self.start(cache, n, languages)
+        state, progress = RuleState.new(n, self.device), Progress(n, languages=languages, language_probs=probs)
         with decoder_threads(self.device, self.cpu_threads):
             for step in range(self.n_steps):
                 nxt, lp = self.rules.next_token(logits, state, sampler)
@@ -278,9 +286,9 @@ class GreedyDecoder:
         smaller batch bucket, they move to the front of the static buffers and its graph runs.
         -> (results, the window whose cross K/V each static row holds)."""
         n = audio.shape[0]
-        no_speech, languages = static.load(audio, languages)
+        no_speech, languages, probs = static.load(audio, languages)
         b = static.bucket(n)
-        progress, s0 = Progress(n, rows=b, languages=languages), 0
+        progress, s0 = Progress(n, rows=b, languages=languages, language_probs=probs), 0
         with decoder_threads(self.device, self.cpu_threads):
             while s0 < self.n_steps:
                 runner.run(b)
@@ -309,9 +317,11 @@ class GreedyDecoder:
         return cut
 
     def results(self, progress: Progress, no_speech: Tensor) -> list[WindowResult]:
-        return [self.window_result(out, lps, sum_lp, float(ns), looped, language=lang)
-                for out, lps, sum_lp, ns, looped, lang
-                in zip(progress.out, progress.lps, progress.sum_lp, no_speech, progress.looped, progress.languages)]
+        return [replace(self.window_result(out, lps, sum_lp, float(ns), looped, language=lang),
+                        language_probability=prob)
+                for out, lps, sum_lp, ns, looped, lang, prob
+                in zip(progress.out, progress.lps, progress.sum_lp, no_speech, progress.looped, progress.languages,
+                       progress.language_probs)]
 
     def window_result(self, tokens: list[int], lps: list[float], sum_lp: float, no_speech: float,
                       looped: bool, temperature: float = 0.0, language: str | None = None) -> WindowResult:

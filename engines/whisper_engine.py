@@ -260,7 +260,7 @@ class WhisperEngine:
                 segments = [Segment(text.strip(), a, b) for a, b, text in res.segments if text.strip()]
                 words = [Word(w, a, b, p) for a, b, w, p in res.words]
                 out[i] = Result(text=res.text.strip(), words=words, segments=segments, tokens=list(res.tokens),
-                                language=res.language)
+                                language=res.language, language_probability=res.language_probability)
         if continuations > 0:
             self._decode_tails(features, out, reached, continuations)
         return out
@@ -287,7 +287,7 @@ class WhisperEngine:
                 r = out[i]
                 out[i] = Result(text=f"{r.text} {more.text}", words=r.words + more.words,
                                 segments=r.segments + more.segments, tokens=r.tokens + more.tokens,
-                                language=r.language)
+                                language=r.language, language_probability=r.language_probability)
 
     @classmethod
     def from_bundled(cls, **kwargs) -> "WhisperEngine":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -106,7 +107,9 @@ class Fallback:
                 break
         out = list(results)
         for w, attempts in tried.items():
-            out[w] = attempts[-1] if not needs_fallback(attempts[-1], opts) else last_resort(attempts)
+            best = attempts[-1] if not needs_fallback(attempts[-1], opts) else last_resort(attempts)
+            # The samples ran in the greedy pass's language, given: its detection's probability stays.
+            out[w] = replace(best, language_probability=results[w].language_probability)
         return out
 
     def _best_samples(self, cross_k: Tensor, cross_v: Tensor, rows: list[int], sampler: Sampler,

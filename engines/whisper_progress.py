@@ -31,9 +31,12 @@ class Progress:
     buffer row -> window whose audio (cross K/V) it holds (`order`, -1: padding), each window's
     tokens, their log-probabilities and sum, and whether a repetition loop cut it."""
 
-    def __init__(self, n: int, rows: int | None = None, languages: list[str | None] | None = None):
+    def __init__(self, n: int, rows: int | None = None, languages: list[str | None] | None = None,
+                 language_probs: list[float | None] | None = None):
         self.rows = list(range(n)) + [-1] * ((rows or n) - n)  # extra rows: padding, never live
         self.languages = list(languages) if languages is not None else [None] * n  # per window
+        # per window: the detection's probability where it detected its language (else None)
+        self.language_probs = list(language_probs) if language_probs is not None else [None] * n
         self.order = list(self.rows)
         self.out: list[list[int]] = [[] for _ in range(n)]
         self.lps: list[list[float]] = [[] for _ in range(n)]

@@ -101,20 +101,22 @@ class StaticDecoding:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def load(self, audio: Tensor, languages: list[str | None] | None = None) -> tuple[Tensor, list[str | None]]:
+    def load(self, audio: Tensor, languages: list[str | None] | None = None
+             ) -> tuple[Tensor, list[str | None], list[float | None]]:
         """Start a batch: cross K/V and the prompt (run eagerly, as `_greedy` does) into the
-        first n rows, fresh rule state, rows n.. done. Returns the no-speech probabilities and
-        each window's language (`GreedyDecoder.start`, which takes `languages`)."""
+        first n rows, fresh rule state, rows n.. done. Returns the no-speech probabilities,
+        each window's language and its detection's probability (`GreedyDecoder.start`, which
+        takes `languages`)."""
         n = audio.shape[0]
         cache = KVCache(self.self_k[:, :n], self.self_v[:, :n], self.cross_k[:, :n], self.cross_v[:, :n])
         self.text_decoder.project_audio(audio, cache.cross_k, cache.cross_v)
-        logits, no_speech, languages = self.start(cache, n, languages)
+        logits, no_speech, languages, probs = self.start(cache, n, languages)
         self.logits[:n].copy_(logits)
         self.state.reset()
         self.done.fill_(True)
         self.done[:n] = False
         self.step_no.zero_()
-        return no_speech, languages
+        return no_speech, languages, probs
 
     def step(self, b: int) -> None:
         """One token for rows 0..b-1: rules, argmax, record, then the model on it."""

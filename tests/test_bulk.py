@@ -423,6 +423,60 @@ def test_a_model_that_detects_the_language_detects_it_once_per_file(tmp_path, mo
     _assert_clean(tmp_path / "failing")
 
 
+def test_an_unsure_first_piece_waits_for_a_sure_one_and_is_decoded_again_in_its_language(tmp_path, monkeypatch):
+    """Music before the speech: the long file's first piece detects a language it is unsure of
+    and writes text in it; its slot and result wait while the second piece detects, sure; then
+    the first is decoded again in that language, so the file reads as a plain run's. Every
+    piece's slot goes back exactly once, the re-decoded one's after its second batch."""
+    import dataclasses
+
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+    from transcribe.results import Result
+    from transcribe.workers import WorkerPool
+
+    inp = tmp_path / "in"
+    short = _copies(inp, 2)
+    shutil.copy(SPEECH / "longform" / "librispeech_test-other_100utt_concat.flac", inp / "long.flac")
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    pipeline.run(engine, discover([str(inp)]), tmp_path / "plain", ["txt"], workers=1)
+    expected = {Path(r["audio_filepath"]).name: r["text"] for r in _rows(tmp_path / "plain")}
+    short_frames = {engine.frontend(sf.read(p, dtype="float32")[0]).shape[1] for p in short}
+
+    engine.detects_language = True
+    real, calls, probes = engine.transcribe_features, [], []
+
+    def detecting(views, languages=None):
+        rows = [(v.shape[1], lang) for v, lang in zip(views, languages)]
+        calls.append(rows)
+        out = []
+        for r, (frames, lang) in zip(real(views, languages), rows):
+            if lang is None and frames not in short_frames:
+                probes.append(frames)
+                if len(probes) == 1:  # the long file's first piece: a tune, "Romanian" at 0.64
+                    out.append(Result("ma de reine", language="ro", language_probability=0.64))
+                    continue
+            out.append(dataclasses.replace(r, language=lang or "xx", language_probability=None if lang else 0.99))
+        return out
+
+    pieces, released = [], []
+    on_event, release = pipeline._Job._on_event, WorkerPool.release
+    monkeypatch.setattr(engine, "transcribe_features", detecting)
+    monkeypatch.setattr(pipeline._Job, "_on_event", lambda self, event, *a: (
+        pieces.append(event[1].slot) if event[0] == "piece" else None, on_event(self, event, *a))[1])
+    monkeypatch.setattr(WorkerPool, "release", lambda self, slots: (released.extend(slots), release(self, slots))[1])
+    stats = pipeline.run(engine, discover([str(inp)]), tmp_path / "out", ["txt"], workers=1)
+    assert stats.files_ok == 3 and {Path(r["audio_filepath"]).name: r["text"]
+                                    for r in _rows(tmp_path / "out")} == expected
+    assert len(probes) == 2  # the long file's first two pieces detected; the rest took "xx"
+    rows = [row for call in calls for row in call]
+    assert [lang for f, lang in rows if f == probes[0]] == [None, "xx"]  # decoded again, in "xx"
+    assert sum(lang is None for _, lang in rows) == 4 and {lang for _, lang in rows} == {None, "xx"}
+    assert len(pieces) > 10 and sorted(released) == sorted(pieces)
+    _assert_clean(tmp_path / "out")
+
+
 def test_a_second_run_into_the_same_out_is_refused_while_the_first_holds_it(tmp_path):
     """Overlapping cron jobs: while a run holds --out (here this test, through the same lock),
     another transcribe or merge into it exits 1 naming the holder's pid and touches nothing;

@@ -49,11 +49,21 @@ def openai_detect_language(model, audio: torch.Tensor) -> list[str]:
     return [code[i] for i in logits.argmax(-1).tolist()]
 
 
+def openai_language_probability(model, audio: torch.Tensor) -> list[float]:
+    """OpenAI's `detect_language` probabilities: the softmax over the language tokens; the top one."""
+    tok = random_vocab()
+    dec = model.decoder
+    logits = dec(torch.full((audio.shape[0], 1), tok.sot), dec.new_cache(audio, 1))[:, 0]
+    return logits[:, list(tok.languages.values())].float().softmax(-1).max(-1).values.tolist()
+
+
 @torch.inference_mode()
 def test_detected_language_is_openais_and_each_window_decodes_in_its_own(model, audio):
     detected = random_decoder(model, DETECT).decode_audio(audio)
     languages = [r.language for r in detected]
     assert languages == openai_detect_language(model, audio)
+    assert [r.language_probability for r in detected] == pytest.approx(openai_language_probability(model, audio),
+                                                                       abs=1e-5)
     assert set(languages) == {"en", "de"}  # a mixed batch: rows get different prompts
     for code in set(languages):
         fixed = random_decoder(model, DecodeOptions(language=code, max_length=60, temperatures=GREEDY))
@@ -88,6 +98,9 @@ def test_given_languages_fix_their_rows_and_the_rest_detect(model, audio, mode):
         dec.graphs = WhisperGraphs(dec, mode, capture=False)  # the graph modes' steps, uncaptured
     mixed = dec.decode_audio(audio, languages=given)
     assert [r.language for r in mixed] == [g or r.language for g, r in zip(given, detected)]
+    # a probability where the row detected, none where its language was given
+    assert [r.language_probability for r in mixed] == [None if g else r.language_probability
+                                                       for g, r in zip(given, detected)]
     forced = {code: random_decoder(model, DecodeOptions(language=code, max_length=60, temperatures=GREEDY)
                                    ).decode_audio(audio) for code in flip}
     for w, r in enumerate(mixed):
@@ -109,6 +122,7 @@ def test_fallback_samples_keep_the_windows_language(model, audio, monkeypatch):
     samples = [r.language for r in greedy for _ in range(2)]
     assert asked == [None, samples[:8], samples[8:]]
     assert [r.language for r in results] == [r.language for r in greedy]
+    assert [r.language_probability for r in results] == [r.language_probability for r in greedy]
     assert any(r.temperature > 0 for r in results)
 
 
@@ -209,6 +223,36 @@ def test_cli_language_auto_detects_once_per_file(tmp_path):
     assert out["language"] == "en" and out["text"].startswith("And so my fellow Americans")
     late = [s for s in out["segments"] if s["start"] > 13.0]
     assert late and all(s["text"].isascii() for s in late), late  # the second piece is in English too
+
+
+def test_cli_language_auto_is_not_decided_by_a_tune_before_the_speech(tmp_path):
+    """25 s of a synthetic tune (chords and drum hits), then JFK. whisper-base takes the tune
+    for Romanian at 0.64 and writes text for it; with that piece deciding, the whole file came
+    out in Romanian and JFK's words were lost. The tune's piece is unsure (below
+    file_language.SURE), so the next piece decides (English), and the tune's is decoded again."""
+    import numpy as np
+    import soundfile as sf
+    import soxr
+
+    from test_cli import run_cli
+
+    bundled_whisper_fp32(1)  # skips without the bundled model or the shared speech
+    rate = 16000
+    rng, t = np.random.default_rng(1), np.arange(25 * rate) / rate
+    tune = np.zeros_like(t)
+    for beat in range(50):
+        s, e = beat * rate // 2, (beat + 1) * rate // 2
+        for f in rng.choice([220, 247, 262, 294, 330, 349, 392, 440], 3):
+            tune[s:e] += 0.1 * np.sin(2 * np.pi * f * t[s:e]) * np.exp(-3 * (t[s:e] - t[s]))
+        tune[s:s + 400] += 0.2 * rng.standard_normal(400)
+    jfk, jfk_rate = sf.read(SPEECH / "jfk" / "jfk.flac", dtype="float32", always_2d=True)
+    sf.write(tmp_path / "tune_jfk.wav", np.concatenate([tune.astype(np.float32), np.zeros(rate // 2, np.float32),
+                                                        soxr.resample(jfk.mean(1), jfk_rate, rate)]), rate)
+    proc = run_cli(str(tmp_path / "tune_jfk.wav"), "--out", str(tmp_path / "out"), "--model", "whisper-base",
+                   "--language", "auto", "--format", "json", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads((tmp_path / "out" / "tune_jfk.json").read_text())
+    assert out["language"] == "en" and "ask not what your country can do for you" in out["text"], out["text"]
 
 
 def test_language_names_read_as_codes():

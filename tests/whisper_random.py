@@ -174,8 +174,8 @@ def _recording_margins(dec: GreedyDecoder) -> Iterator[list[list[float]]]:
         return out
 
     class MarginProgress(Progress):
-        def __init__(self, n: int, rows: int | None = None, languages=None):
-            super().__init__(n, rows, languages)
+        def __init__(self, n: int, rows: int | None = None, languages=None, language_probs=None):
+            super().__init__(n, rows, languages, language_probs)
             per_window[:] = [[] for _ in range(n)]
 
         def record(self, tokens, logprobs, eot):

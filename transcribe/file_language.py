@@ -6,13 +6,22 @@ piece came free, but it let a long monolingual file flip language mid-way: whisp
 the language of about 1 % of English pieces (2 of our 235 English files), one or two pieces in
 an hour of speech, each then transcribed in, or translated into, another language.
 
-`FileLanguages` keeps the pipeline to OpenAI's rule. A file's first piece is batched at once
-and detects; the file's later pieces are held (in their slab slots) until it is decoded, then
-batched with its language. A first piece that decides nothing (silent, or no text: music, noise)
-passes the choice to the next piece. A held piece waits one batch per deciding piece: that
-piece is already in the batcher, and the main loop runs a batch whenever the batcher holds
-one. That relies on a file's pieces arriving in order, which they do: one worker cuts a file
-front to back and its events keep their order.
+`FileLanguages` keeps to one language per file. A file's first piece is batched at once and
+detects (a probe); the file's later pieces are held (in their slab slots) until the language is
+decided, then batched in it. A probe that says nothing (silent, or no text) passes the choice to
+the next piece. A probe with text decides when the model is sure of its language (probability
+>= `SURE`); one it is not sure of (music before the speech: whisper-base took a 25 s tune for
+Romanian at 0.64, then wrote the whole English talk in Romanian) keeps its slot and result
+aside and the next piece probes too. After `MAX_UNSURE` such probes, or at the end of the file,
+the language with the most probability summed over them wins (faster-whisper's vote over
+`language_detection_segments`), and the probes detected as another language are decoded again
+in it.
+
+A held piece waits one batch per probe before it: that piece is already in the batcher, and the
+main loop runs a batch whenever the batcher holds one. That relies on a file's pieces arriving
+in order, which they do: one worker cuts a file front to back and its events keep their order.
+Only probes wait for a piece not yet cut, at most MAX_UNSURE - 1 = 2 slots per file a worker is
+cutting; the slab has at least 2 slots per worker + 1 (`pipeline`), so a worker always finds one.
 """
 from __future__ import annotations
 
@@ -21,16 +30,28 @@ from dataclasses import dataclass, field
 from transcribe.preprocess import Piece
 from transcribe.results import Result
 
+# The language probability at which one piece decides its file's. whisper-base gave 20 s of a
+# synthetic tune 0.64 (Romanian) and of white noise 0.56 (Nynorsk); the pieces of speech after
+# them, 0.92-0.996 (English).
+SURE = 0.8
+MAX_UNSURE = 3  # unsure probes before the vote (each keeps its slot until the language is known)
+
+# What a decoded piece leads to: results that are final now (store them; their slots go back)
+# and pieces to batch now (held ones in the file's language, unsure probes to decode again).
+Outcome = tuple[list[tuple[Piece, Result]], list[Piece]]
+
 
 @dataclass
 class _Deciding:
-    probe: int = 0  # the piece whose result decides the language, until one does
+    probe: int = 0  # the piece that detects next, until the language is decided
     language: str | None = None
+    expected: int | None = None  # the file's piece count, once its worker has cut it all
     held: dict[int, Piece] = field(default_factory=dict)  # index -> piece waiting for the language
+    unsure: dict[int, tuple[Piece, Result]] = field(default_factory=dict)  # probes awaiting the vote
 
 
 class FileLanguages:
-    """Per file: which pieces may be batched now, and in which language."""
+    """Per file: which pieces may be batched now, in which language, and which results stand."""
 
     def __init__(self) -> None:
         self.files: dict[int, _Deciding] = {}
@@ -49,21 +70,61 @@ class FileLanguages:
         st = self.files.get(piece.fid)
         return st.language if st is not None else None
 
-    def decided(self, piece: Piece, result: Result | str) -> list[Piece]:
-        """`piece` was decoded (`result`: its Result, or the error it failed with): the held
-        pieces to batch now, in file order."""
-        st = self.files.get(piece.fid)
-        if st is None or st.language is not None or piece.index != st.probe or isinstance(result, str):
-            return []  # an error fails the file: `forget` gives its held pieces back
+    def decided(self, piece: Piece, result: Result) -> Outcome:
+        """`piece` was decoded to `result`: what stands, and what to batch now. `piece` itself is
+        in neither while it is an unsure probe (its slot stays taken)."""
+        st = self.files.setdefault(piece.fid, _Deciding())
+        if st.language is not None or piece.index != st.probe:
+            return [(piece, result)], []
         if result.language and result.text:
-            st.language = result.language
-            held, st.held = st.held, {}
-            return [held[k] for k in sorted(held)]
-        st.probe += 1  # nothing said: the next piece detects
-        return [st.held.pop(st.probe)] if st.probe in st.held else []
+            sure = result.language_probability is None or result.language_probability >= SURE
+            if sure:
+                return self._decide(st, result.language, [(piece, result)])
+            st.unsure[piece.index] = (piece, result)
+            if len(st.unsure) >= MAX_UNSURE:
+                return self._decide(st, _vote(st.unsure.values()), [])
+            final: list[tuple[Piece, Result]] = []
+        else:
+            final = [(piece, result)]  # nothing said: the next piece detects
+        st.probe += 1
+        if st.expected is not None and st.probe >= st.expected:
+            return self._end(st, final)
+        return final, [st.held.pop(st.probe)] if st.probe in st.held else []
+
+    def ended(self, fid: int, expected: int) -> Outcome:
+        """The file's worker has cut all `expected` pieces: a file whose every piece has probed
+        without a sure one decides now, by the vote."""
+        st = self.files.setdefault(fid, _Deciding())
+        st.expected = expected
+        if st.language is None and st.probe >= expected:
+            return self._end(st, [])
+        return [], []
 
     def forget(self, fid: int) -> list[Piece]:
-        """The file is finished or failed: its held pieces (none once it is finished), whose
-        slots the caller releases."""
+        """The file is finished or failed: the pieces whose slots it still holds (none once it
+        is finished), for the caller to release."""
         st = self.files.pop(fid, None)
-        return list(st.held.values()) if st is not None else []
+        if st is None:
+            return []
+        return list(st.held.values()) + [p for p, _ in st.unsure.values()]
+
+    def _end(self, st: _Deciding, final: list[tuple[Piece, Result]]) -> Outcome:
+        """No piece is left to probe: the vote of the unsure ones, if any."""
+        if not st.unsure:
+            return final, []  # no piece said anything; nothing waits
+        return self._decide(st, _vote(st.unsure.values()), final)
+
+    def _decide(self, st: _Deciding, language: str, final: list[tuple[Piece, Result]]) -> Outcome:
+        st.language = language
+        again = [p for p, r in st.unsure.values() if r.language != language]
+        final = final + [(p, r) for p, r in st.unsure.values() if r.language == language]
+        held, st.held, st.unsure = st.held, {}, {}
+        return final, sorted(again + list(held.values()), key=lambda p: p.index)
+
+
+def _vote(unsure) -> str:
+    """The language with the most probability summed over the unsure probes (ties: the first's)."""
+    score: dict[str, float] = {}
+    for _, r in unsure:
+        score[r.language] = score.get(r.language, 0.0) + (r.language_probability or 0.0)
+    return max(score, key=score.__getitem__)

@@ -214,7 +214,10 @@ class _Job:
         elif kind == "done":
             if f is not None:
                 f.expected, f.samples = event[2], event[3]
-                self._maybe_finish(fid)
+                if self.languages is not None:  # its last probes may decide now
+                    self._settle(*self.languages.ended(fid, f.expected), batcher, pool, slab)
+                if fid in self.files:
+                    self._maybe_finish(fid)
         elif kind == "error":
             if f is not None:
                 pool.release([p.slot for p in batcher.drop(lambda p: p.fid == fid)])
@@ -238,8 +241,10 @@ class _Job:
     def _run_batch(self, batch: list[Piece], batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:
         try:
             outcomes = self._transcribe(batch, slab)
-        finally:
+        except BaseException:
             pool.release([p.slot for p in batch])
+            raise
+        finally:
             heap.trim()  # what the batch's tensors freed goes back to the system
         failed: dict[int, str] = {}
         for p, r in zip(batch, outcomes):
@@ -247,15 +252,31 @@ class _Job:
                 failed.setdefault(p.fid, r)
         for fid, reason in failed.items():
             self._fail(fid, f"{self.files[fid].file.path}: model failed on a piece of it: {reason}", pool)
+        final: list[tuple[Piece, Result]] = []
+        again: list[Piece] = []
         for p, r in zip(batch, outcomes):
-            f = self.files.get(p.fid)
-            if f is not None:
-                f.pieces[p.index] = (p.offset_s, r)
-                released = self.languages.decided(p, r) if self.languages is not None else []
-                self._maybe_finish(p.fid)
-                for q in released:  # the file's pieces that waited for its language
-                    self._add(q, batcher, pool, slab)
+            if p.fid not in self.files:  # failed: its slot goes back
+                pool.release([p.slot])
+            elif self.languages is None:
+                final.append((p, r))
+            else:  # an unsure probe of its file's language is in neither list: it keeps its slot
+                stands, later = self.languages.decided(p, r)
+                final += stands
+                again += later
+        self._settle(final, again, batcher, pool, slab)
         self.outputs.flush()  # the batch's files written together (the loop flushes those its events finish)
+
+    def _settle(self, final: list[tuple[Piece, Result]], again: list[Piece], batcher: Batcher[Piece],
+                pool: WorkerPool, slab: Slab) -> None:
+        """Store the results that stand (their slots go back; files complete), then batch
+        `again`: pieces that waited for their file's language, or decode again in it."""
+        pool.release([p.slot for p, _ in final])
+        for p, r in final:
+            self.files[p.fid].pieces[p.index] = (p.offset_s, r)
+        for fid in dict.fromkeys(p.fid for p, _ in final):
+            self._maybe_finish(fid)
+        for q in again:
+            self._add(q, batcher, pool, slab)
 
     def _transcribe(self, batch: list[Piece], slab: Slab) -> list[Result | str]:
         """The engine's Result per piece, or the error (str) that piece failed with. A batch the

@@ -36,10 +36,12 @@ class Segment:
 @dataclass(frozen=True)
 class Result:
     """Transcript of one utterance: text, word and segment timestamps, the token ids, and the
-    language it was transcribed in where the model says (Whisper's multilingual models)."""
+    language it was transcribed in where the model says (Whisper's multilingual models), with
+    the probability the model gave it where it detected it (file_language.FileLanguages)."""
 
     text: str
     words: list[Word] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     language: str | None = None
+    language_probability: float | None = None
