@@ -349,6 +349,27 @@ def test_merge_joins_shard_logs_preferring_ok_lines(tmp_path):
     assert run_cli("merge", "--out", str(tmp_path / "all")).returncode == 2
 
 
+def test_merge_refuses_a_shard_that_is_still_being_written(tmp_path):
+    """A shard run still going has logged only the files it has finished: merging it then
+    would give a log without the rest and exit 0. It exits 1 naming the shard instead, and
+    merges once the run is over."""
+    from transcribe.resume import out_dir_lock
+
+    for name in ("s1", "s2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text(json.dumps(
+            {"audio_filepath": f"/a/{name}.wav", "duration": 1.0, "text": "", "status": "ok", "error": None,
+             "model": "m"}) + "\n")
+    with out_dir_lock(tmp_path / "s2"):  # this test stands in for the shard's run
+        p = run_cli("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "all"))
+        assert p.returncode == 1, p.stderr
+        assert f"{tmp_path / 's2'} is still being written by a transcribe run (pid {os.getpid()})" in p.stderr
+        assert not (tmp_path / "all" / "results.jsonl").exists()
+    p = run_cli("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "all"))
+    assert p.returncode == 0, p.stderr
+    assert len((tmp_path / "all" / "results.jsonl").read_text().splitlines()) == 2
+
+
 @needs_shared
 def test_shards_with_workers_merge_into_one_log(tmp_path):
     ref = Reference("tdt_tiny")

@@ -37,6 +37,19 @@ def test_option_values_that_cannot_work_are_usage_errors():
         assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
 
 
+def test_chunking_options_a_model_does_not_take_are_usage_errors():
+    """As --language for a Parakeet model: chunk options for a cache-aware checkpoint (it
+    streams with its trained chunks), or a chunk shorter than the model's encoder frame, are
+    the user's to change (exit 2), not "nothing could run" (exit 1)."""
+    audio = str(SPEECH / "jfk" / "jfk.flac")
+    chunked = str(NEMO_REF / "tdt_tiny" / "model.nemo")
+    for args, says in ((("stream", audio, "--model", MODEL, "--chunk-ms", "500"), "cache-aware"),
+                       (("stream", audio, "--model", chunked, "--chunk-ms", "10"), "at least one encoder frame"),
+                       (("serve", "--model", MODEL, "--right-context-ms", "0", "--port", "0"), "cache-aware")):
+        p = _cli(*args)
+        assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
 def test_stream_reads_files_as_the_offline_command_does(tmp_path):
     """A WAV whose header promises more data than the file holds fails as offline fails it,
     rather than be streamed as the part that is there."""

@@ -63,7 +63,11 @@ def test_bad_clients_get_clear_errors_and_server_stays_up(model, files):
                       [P.encode({"type": "audio", "data": "AAAA"})],
                       [_hello("b"), b'{"type": "audio", "data": "***"}\n'],
                       [_hello("c"), b'{"type": "audio", "data": "AAAA"}\n'],  # 3 bytes: odd pcm16
-                      [_hello("d", fmt="mp3")], [_hello("e"), b'{"type": "pause"}\n']):
+                      [_hello("d", fmt="mp3")], [_hello("e"), b'{"type": "pause"}\n'],
+                      # a format that is no string, JSON nested deeper than the parser's recursion
+                      [P.encode({"type": "hello", "stream_id": "f", "sample_rate": 16000, "format": ["pcm16"]})],
+                      [b"[" * 100_000 + b"]" * 100_000 + b"\n"],
+                      [_hello("g"), b'{"type": "audio", "data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"]):
             msgs = await _raw(host, port, lines)
             codes.append(msgs[-1].get("code"))
         good = await stream_audio(host, port, "good", audio, realtime=False)
@@ -71,7 +75,7 @@ def test_bad_clients_get_clear_errors_and_server_stays_up(model, files):
 
     codes, good = _run(model, ServerConfig(port=0, max_streams=2), scenario)
     assert codes == ["bad_message", "bad_message", "sample_rate", "bad_message", "bad_audio", "bad_audio",
-                     "bad_message", "bad_message"]
+                     "bad_message", "bad_message", "bad_message", "bad_message", "bad_message"]
     assert good.final["text"] == files[2]["offline_text"]
 
 
@@ -178,3 +182,61 @@ def test_a_long_stream_commits_segments_and_its_partials_stay_short():
     assert [w for m in segments for w in m["words"]] == run.final["words"][:sum(len(m["words"]) for m in segments)]
     _, alone = stream_alone(chunked, audio, 8000)
     assert run.final["text"] == alone[-1]
+
+
+def test_a_backlog_uploaded_at_once_gets_its_final_however_long_it_takes(model, files):
+    """A client that sends a recording faster than real time and then "end" leaves the server
+    a backlog of steps. While they run, the stream is making progress: its final must come,
+    however much longer than final_timeout_s the backlog takes (it was dropped with a
+    "timeout" error final_timeout_s after "end", the final lost)."""
+    import time
+
+    import numpy as np
+
+    audio = np.concatenate([f["samples"] for f in files] * 2)
+
+    async def scenario(server, host, port):
+        step = server.scheduler.pool.step
+
+        def slow_step(chunks):  # a bigger model on a busy CPU: each step takes a while
+            time.sleep(0.05)
+            return step(chunks)
+
+        server.scheduler.pool.step = slow_step
+        lines = [_hello("upload"), *(P.encode(P.audio_message(audio[i: i + 32000]))
+                                     for i in range(0, audio.shape[0], 32000)), P.encode({"type": "end"})]
+        t0 = time.monotonic()
+        out = await _raw(host, port, lines, read_timeout=30.0)
+        return out, time.monotonic() - t0
+
+    cfg = ServerConfig(port=0, max_streams=1, final_timeout_s=0.3)
+    out, took = _run(model, cfg, scenario)
+    assert took > 2 * cfg.final_timeout_s  # the backlog took longer than the timeout
+    assert [m["type"] for m in out if m["type"] in ("final", "error")] == ["final"]
+
+
+def test_a_stream_given_its_slot_late_in_a_timeout_window_gets_the_whole_timeout(model, files):
+    """The idle timeout runs only while a client holds a slot: one admitted from the queue
+    has the whole idle_timeout_s from its "ready" to send audio, however long it waited
+    (it was dropped when the wait's current timeout window ran out, just after "ready")."""
+    async def scenario(server, host, port):
+        holder_r, holder_w = await asyncio.open_connection(host, port)
+        holder_w.write(_hello("holder"))
+        await holder_w.drain()
+        assert json.loads(await holder_r.readline())["type"] == "ready"
+        reader, writer = await asyncio.open_connection(host, port, limit=P.MAX_LINE_BYTES)
+        writer.write(_hello("late"))
+        await writer.drain()
+        assert json.loads(await reader.readline())["type"] == "waiting"
+        await asyncio.sleep(0.8)  # most of late's first 1 s window
+        holder_w.transport.abort()  # its slot goes to "late"
+        assert json.loads(await asyncio.wait_for(reader.readline(), 5.0))["type"] == "ready"
+        await asyncio.sleep(0.5)  # a client on the far side of a slow link: well within 1 s
+        writer.write(P.encode(P.audio_message(files[2]["samples"])) + P.encode({"type": "end"}))
+        await writer.drain()
+        out = [json.loads(line) async for line in reader]
+        writer.close()
+        return out
+
+    out = _run(model, ServerConfig(port=0, max_streams=1, idle_timeout_s=1.0), scenario)
+    assert out[-1]["type"] == "final", out[-1]

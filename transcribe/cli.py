@@ -272,12 +272,18 @@ def merge(
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
 ) -> None:
     from transcribe.inputs import record_key
-    from transcribe.resume import OutputBusy, out_dir_lock
+    from transcribe.resume import OutputBusy, out_dir_lock, writer_of
     from transcribe.writers import atomic_write_text, read_results, results_line
 
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
         raise _fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
+    # A shard still running has logged only the files it finished: its merge would be missing
+    # the rest and still exit 0.
+    running = [(d, pid) for d in shard_dirs if (pid := writer_of(d)) is not None]
+    if running:
+        raise _fail("; ".join(f"{d} is still being written by a transcribe run" + (f" (pid {pid})" if pid else "")
+                              for d, pid in running) + ": merge once it has finished", EXIT_NOTHING_RAN)
     _out_folder(out)
     merged: dict[str, dict] = {}
     for d in shard_dirs:
@@ -330,6 +336,7 @@ def stream(
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
+    from engines.loader import OptionError
     from transcribe.audio import AudioError
     from transcribe.streaming.cli_commands import stream_file
 
@@ -337,6 +344,8 @@ def stream(
     try:
         summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
                               chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
+    except OptionError as e:  # chunking options this model does not take
+        raise _fail(str(e), EXIT_USAGE)
     except (AudioError, ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
     typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx {summary['rtfx']:.1f}, "
@@ -358,6 +367,7 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N (auto: cuda when available)."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
+    from engines.loader import OptionError
     from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
 
@@ -367,6 +377,8 @@ def serve(
         signum = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
                             idle_timeout_s=idle_timeout_s, ws_port=ws_port, chunk_ms=chunk_ms, left_ms=left_ms,
                             right_ms=right_ms, device=pick_device(device), dtype=dtype)
+    except OptionError as e:  # chunking options this model does not take
+        raise _fail(str(e), EXIT_USAGE)
     except (ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
     raise typer.Exit(128 + signum)  # stopped by SIGINT / SIGTERM, as the other commands report it

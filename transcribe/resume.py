@@ -56,6 +56,25 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def writer_of(out_dir: Path) -> str | None:
+    """The pid (or "" when unknown) of a run writing into `out_dir` now, None when none is. A
+    shared, non-blocking probe of its lock file that creates and writes nothing (`merge` reads
+    shard folders, which may be read-only); no lock file, or one that cannot be locked, is None."""
+    try:
+        fd = os.open(out_dir / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
 def file_identity(path: Path) -> dict:
     """Size and modification time: a rerun redoes a file whose content may have changed."""
     try:

@@ -80,6 +80,8 @@ def parse_json(line: bytes | str) -> dict[str, Any]:
         msg = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProtocolError("bad_message", f"message is not JSON: {e}") from None
+    except RecursionError:  # "[[[[...": a 4 MB line nests far deeper than the parser recurses
+        raise ProtocolError("bad_message", "message is not JSON the server reads: nested too deeply") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise ProtocolError("bad_message", 'message must be a JSON object with a string "type"')
     return msg
@@ -95,7 +97,7 @@ def parse_hello(msg: dict[str, Any], expected_rate: int) -> Hello:
         raise ProtocolError("bad_message", "hello needs an integer sample_rate")
     if rate != expected_rate:
         raise ProtocolError("sample_rate", f"sample_rate {rate} is not supported: send {expected_rate} Hz mono")
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:  # a list or object is unhashable: no `in` on it
         raise ProtocolError("bad_message", f"format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
     return Hello(sid, rate, fmt)
 

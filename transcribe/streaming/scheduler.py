@@ -12,6 +12,7 @@ released only after it (`begin_step` / `end_step`), so a step never writes a reu
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -21,6 +22,7 @@ import torch
 from engines.chunked_pool import (DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, ChunkContext,
                                   ChunkedStreamPool, ChunkWindow)
 from engines.decode_stages import Hypothesis
+from engines.loader import OptionError
 from engines.parakeet import ParakeetEngine
 from engines.stream_pool import ChunkInput, StreamPool
 from engines.streaming_encoder import CacheAwareEncoder
@@ -67,16 +69,19 @@ class StreamingModel:
             self.encoder: CacheAwareEncoder | None = CacheAwareEncoder(engine.encoder)
         except ValueError:  # not trained for cache-aware streaming: chunked with context instead
             self.encoder = None
-        if self.encoder is not None and given:
-            raise ValueError(f"{engine.name} is a cache-aware streaming checkpoint: it streams with its own "
+        if self.encoder is not None and given:  # OptionError: a usage error (exit 2), as --language for Parakeet
+            raise OptionError(f"{engine.name} is a cache-aware streaming checkpoint: it streams with its own "
                              "trained chunk size; --chunk-ms/--left-context-ms/--right-context-ms are for "
                              "offline-trained models")
         self.frame_samples = engine.feature_cfg.hop_length * engine.encoder.cfg.subsampling_factor
         self.context: ChunkContext | None = None
         if self.encoder is None:
-            self.context = ChunkContext.from_ms(
-                DEFAULT_CHUNK_MS if chunk_ms is None else chunk_ms, DEFAULT_LEFT_MS if left_ms is None else left_ms,
-                DEFAULT_RIGHT_MS if right_ms is None else right_ms, self.frame_samples, self.sample_rate)
+            try:
+                self.context = ChunkContext.from_ms(
+                    DEFAULT_CHUNK_MS if chunk_ms is None else chunk_ms, DEFAULT_LEFT_MS if left_ms is None else left_ms,
+                    DEFAULT_RIGHT_MS if right_ms is None else right_ms, self.frame_samples, self.sample_rate)
+            except ValueError as e:  # a --chunk-ms shorter than this model's encoder frame
+                raise OptionError(f"--chunk-ms/--left-context-ms/--right-context-ms: {e}") from None
 
     @property
     def mode(self) -> str:
@@ -135,6 +140,7 @@ class Scheduler:
 
     def _activate(self, session: SessionBase) -> None:
         session.slot = self.pool.acquire()
+        session.admitted_at = time.monotonic()
         session.state = SessionState.ACTIVE
         self.active[session.stream_id] = session
 

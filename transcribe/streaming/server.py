@@ -18,6 +18,7 @@ import concurrent.futures
 import gc
 import logging
 import signal
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -233,11 +234,25 @@ class StreamServer:
             if isinstance(msg, P.End):
                 session.end()
                 self._wake.set()
-                await self._unless_late(client, client.final.wait(), self.cfg.final_timeout_s,
-                                        "no final result in time (server overloaded)")
+                await self._await_final(client, session)
                 return
             session.push_audio(msg.samples)
             self._wake.set()
+
+    async def _await_final(self, client: _Client, session: SessionBase) -> None:
+        """Wait for the final after "end". A stream that sent its audio faster than real time
+        has a backlog of steps to run first (a 15-minute upload is minutes of work for a big
+        model): the "timeout" error comes only after `final_timeout_s` in which none of its
+        steps ran, not `final_timeout_s` after "end" while it is still being decoded."""
+        while True:
+            progress = session.steps
+            try:
+                await self._unless_late(client, client.final.wait(), self.cfg.final_timeout_s,
+                                        "no final result in time (server overloaded)")
+                return
+            except P.ProtocolError:
+                if session.steps == progress:
+                    raise
 
     @staticmethod
     def _stream_message(incoming: Incoming, fmt: str) -> P.Audio | P.End:
@@ -253,14 +268,21 @@ class StreamServer:
     async def _unless_late(client: _Client, awaitable, timeout_s: float, message: str):
         """`awaitable`'s result, or a "timeout" error after `timeout_s` during which the client
         held a slot (or had not said hello): a stream queued for a slot waits as long as the
-        queue takes, as the server is the one keeping it (a disconnect still ends a read)."""
+        queue takes, as the server is the one keeping it (a disconnect still ends a read), and
+        has the whole `timeout_s` from the moment it got its slot."""
         task = asyncio.ensure_future(awaitable)
         try:
+            deadline = time.monotonic() + timeout_s
             while True:
-                done, _ = await asyncio.wait([task], timeout=timeout_s)
+                done, _ = await asyncio.wait([task], timeout=max(deadline - time.monotonic(), 0.0))
                 if done:
                     return task.result()
-                if client.session is None or client.session.state != SessionState.WAITING:
+                session, now = client.session, time.monotonic()
+                if session is not None and session.state == SessionState.WAITING:
+                    deadline = now + timeout_s
+                elif session is not None and session.admitted_at is not None and session.admitted_at + timeout_s > now:
+                    deadline = session.admitted_at + timeout_s  # admitted during this window
+                else:
                     raise P.ProtocolError("timeout", message)
         finally:
             task.cancel()  # cancelling a read loses no data (see the transports)

@@ -113,6 +113,7 @@ class SessionBase:
         self.sample_rate = sample_rate
         self.state = SessionState.WAITING
         self.slot: int | None = None
+        self.admitted_at: float | None = None  # time.monotonic() when it got its slot
         self.ended = False  # client sent end of stream
         self.tokens: list[int] = []
         self.token_frames: list[int] = []
