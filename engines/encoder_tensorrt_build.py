@@ -54,8 +54,14 @@ def import_tensorrt():
     return tensorrt
 
 
+CACHE_ENV = "TRANSCRIBE_TRT_CACHE"
+
+
 def default_cache_dir() -> Path:
-    """$XDG_CACHE_HOME/transcribe/trt, else ~/.cache/transcribe/trt."""
+    """Where runs and `export-engine` keep engines: $TRANSCRIBE_TRT_CACHE, else
+    $XDG_CACHE_HOME/transcribe/trt, else ~/.cache/transcribe/trt."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "transcribe" / "trt"
 

@@ -195,6 +195,9 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "transcribe" / "trt"
+    # export-engine --cache-dir elsewhere: runs find it when this names it
+    monkeypatch.setenv("TRANSCRIBE_TRT_CACHE", str(tmp_path / "engines"))
+    assert default_cache_dir() == tmp_path / "engines"
 
 
 def test_atomic_write_never_leaves_a_partial_entry(monkeypatch, tmp_path):
@@ -281,6 +284,9 @@ def test_export_engine_without_tensorrt_exits_1_naming_the_extra(tmp_path):
     assert p.returncode == 1 and (tmp_path / "e.onnx").stat().st_size > 0
     assert "transcribe[tensorrt]" in p.stderr
     assert _cli("--model", model, "--precision", "int8").returncode == 2
+    # no --max-batch: no run takes one, so an engine built with another value was never found
+    p = _cli("--model", model, "--max-batch", "8")
+    assert p.returncode == 2 and "No such option" in p.stderr
 
 
 def test_the_self_check_batch_and_its_comparison(engine_and_ref):

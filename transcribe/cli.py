@@ -389,17 +389,18 @@ def serve(
 def export_engine_cmd(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     precision: str = typer.Option("fp16", "--precision", help="fp16, bf16 or fp32 (layer norms and softmax stay fp32)."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Engine cache (default: $XDG_CACHE_HOME/transcribe/trt)."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Engine cache (default: $TRANSCRIBE_TRT_CACHE, else "
+                                             "$XDG_CACHE_HOME/transcribe/trt, where runs look; runs find another "
+                                             "folder when $TRANSCRIBE_TRT_CACHE names it)."),
     onnx: Optional[Path] = typer.Option(None, "--onnx", help="Also write the encoder ONNX here."),
     onnx_only: bool = typer.Option(False, "--onnx-only", help="Only write the ONNX (no TensorRT or GPU needed)."),
-    max_batch: int = typer.Option(64, "--max-batch", min=1, help="Most rows per batch a profile takes (use the same value at run time)."),
     batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help="The --batch-seconds the engine will run with."),
 ) -> None:
     from transcribe.export_engine import ExportError, ExportRequest, export_engine
 
     _file_path(onnx, "--onnx")
     try:
-        req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, max_batch, batch_seconds)
+        req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, batch_seconds=batch_seconds)
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
     try:

@@ -1,8 +1,10 @@
 """`transcribe export-engine`: build the TensorRT encoder engine ahead of time, or write the ONNX.
 
 The engine lands in the same cache (and under the same key) that `--encoder-backend tensorrt`
-looks in, so a later run starts without the minutes-long build, as long as it uses the same
-precision and profiles (`--max-batch`, `--batch-seconds`). `--onnx PATH` also writes the
+looks in ($TRANSCRIBE_TRT_CACHE, else $XDG_CACHE_HOME/transcribe/trt), so a later run starts
+without the minutes-long build, as long as it uses the same precision and profiles
+(`--batch-seconds`; the rows per batch are the run's, `DEFAULT_MAX_BATCH`: an option here that
+no run takes built engines that no run found). `--onnx PATH` also writes the
 exported encoder; `--onnx-only` stops there, which needs neither a GPU nor TensorRT.
 """
 from __future__ import annotations
