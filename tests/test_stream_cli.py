@@ -57,6 +57,9 @@ def test_stream_reads_files_as_the_offline_command_does(tmp_path):
     (tmp_path / "trunc.wav").write_bytes(wav[:30000])
     p = _cli("stream", str(tmp_path / "trunc.wav"), "--model", MODEL)
     assert p.returncode == 1 and "truncated" in p.stderr, p.stderr
+    # a missing file is said before the model loads (a minute for a big one): nothing about it
+    p = _cli("stream", str(tmp_path / "none.wav"), "--model", str(NEMO_REF / "tdt_tiny" / "model.nemo"))
+    assert p.returncode == 1 and "no such file" in p.stderr and "chunked streaming" not in p.stderr, p.stderr
 
 
 def test_a_signal_stops_the_server_cleanly_with_128_plus_it():

@@ -48,8 +48,10 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
     the server would send, one line each: `segment` (committed words), `partial` (the words
     after them, after every chunk) and `final` (the whole transcript); JSON lines with word
     times when `as_json`. Returns a summary: text, words, audio_seconds, wall_seconds, rtfx, steps, step latency (ms)."""
+    from transcribe.audio import _check_path
     from transcribe.decode import AudioStream
 
+    _check_path(path)  # a missing or empty file is said before a big model's minute of loading
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms)
     with AudioStream(path, sm.sample_rate) as source:  # the offline decoder: same checks, PyAV for m4a
         audio = np.concatenate(list(source.blocks()))
