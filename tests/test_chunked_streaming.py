@@ -211,6 +211,18 @@ def test_pool_slots_reset_and_context_validation():
         ChunkContext.from_ms(1000, -1, 0, 1280, 16000)
 
 
+def test_a_stream_shorter_than_one_analysis_window_has_an_empty_final():
+    """Under 400 samples (25 ms) in all, as offline refuses such a file and the cache-aware
+    session ends it: the padded features decoded into made-up tokens ("g" from 255 samples)."""
+    model = _model("tdt_tiny", 2000, 10000, 2000)
+    audio = _files("tdt_tiny")[2]["samples"]
+    for n in (1, 255, 399):
+        session, texts = _stream(model, audio[8000:8000 + n])
+        assert texts == [""] and session.tokens == [], (n, texts)
+    session, _ = _stream(model, audio[:16000])
+    assert session.decoded_seconds == 1.0  # a second is decoded as before
+
+
 def test_cache_aware_checkpoint_keeps_its_own_chunking():
     path = NEMO_REF / "rnnt_streaming_tiny" / "model.nemo"
     assert StreamingModel.from_nemo(path).mode == "cache-aware"
