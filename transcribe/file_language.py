@@ -31,8 +31,10 @@ from transcribe.preprocess import Piece
 from transcribe.results import Result
 
 # The language probability at which one piece decides its file's. whisper-base gave 20 s of a
-# synthetic tune 0.64 (Romanian) and of white noise 0.56 (Nynorsk); the pieces of speech after
-# them, 0.92-0.996 (English).
+# synthetic tune 0.64 (Romanian) and of white noise 0.56 (Nynorsk). Over the 570 windows of our
+# English speech (each file, or 20 s windows of the long ones) its 3 misreadings had 0.14-0.44,
+# and 18 right ones were under 0.8 (median 0.997): those pass the choice on at the cost of one
+# batch's wait, and a file of one piece decides by it all the same.
 SURE = 0.8
 MAX_UNSURE = 3  # unsure probes before the vote (each keeps its slot until the language is known)
 
