@@ -37,6 +37,28 @@ def test_option_values_that_cannot_work_are_usage_errors():
         assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
 
 
+def test_more_slots_than_memory_holds_is_a_message_not_a_traceback(monkeypatch):
+    """The allocator's refusal (here its message stands in: a real one needs tens of GB asked
+    for, and a machine that grants part of it can end in the OOM killer) becomes a ValueError
+    that `serve` prints (exit 1) naming --max-streams; other errors pass through."""
+    import pytest
+
+    import transcribe.streaming.scheduler as scheduler
+    from transcribe.streaming.scheduler import StreamingModel
+
+    model = StreamingModel.from_nemo(MODEL)
+    refused = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried to allocate"
+    for error, raised in ((RuntimeError(refused), ValueError), (RuntimeError("shape mismatch"), RuntimeError)):
+        def pool(*args, error=error):
+            raise error
+        monkeypatch.setattr(scheduler, "StreamPool", pool)
+        with pytest.raises(raised) as e:
+            model.new_pool(10**6)
+        if raised is ValueError:
+            assert "cannot allocate the cache pool for --max-streams 1000000 on cpu" in str(e.value)
+            assert "give a smaller --max-streams" in str(e.value)
+
+
 def test_chunking_options_a_model_does_not_take_are_usage_errors():
     """As --language for a Parakeet model: chunk options for a cache-aware checkpoint (it
     streams with its trained chunks), or a chunk shorter than the model's encoder frame, are

@@ -364,7 +364,7 @@ def serve(
     chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N (auto: cuda when available)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (auto: cuda when available)."),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     from engines.loader import OptionError

@@ -92,9 +92,18 @@ class StreamingModel:
         return cls(ParakeetEngine.from_nemo(path, device="cpu"), **context_ms)
 
     def new_pool(self, max_streams: int) -> StreamPool | ChunkedStreamPool:
-        if self.encoder is None:
-            return ChunkedStreamPool(self.engine.encoder, self.engine.decoder, self.logmel, max_streams)
-        return StreamPool(self.encoder, self.engine.decoder, max_streams)
+        """The preallocated slots; ValueError (a message, not the allocator's traceback) when
+        `max_streams` of them do not fit in memory."""
+        try:
+            if self.encoder is None:
+                return ChunkedStreamPool(self.engine.encoder, self.engine.decoder, self.logmel, max_streams)
+            return StreamPool(self.encoder, self.engine.decoder, max_streams)
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; the CPU allocator's RuntimeError
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            raise ValueError(f"cannot allocate the cache pool for --max-streams {max_streams} on "
+                             f"{self.engine.device}: {str(e).strip().splitlines()[0][:200]}; "
+                             "give a smaller --max-streams") from None
 
     def new_session(self, stream_id: str) -> StreamSession | ChunkedSession:
         e = self.engine
