@@ -85,10 +85,12 @@ def test_damaged_results_lines_are_skipped_with_a_note(tmp_path, capsys):
     traceback: lines that are not records are skipped, naming the file and line."""
     p = tmp_path / "results.jsonl"
     p.write_bytes(b'{"audio_filepath": "/a", "status": "ok"}\ngarbage line\n[1, 2]\n{"status": "ok"}\n'
-                  b'\xff\xfe\n{"audio_filepath": "/b", "status": "ok"}\n')
-    assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/b"]
+                  b'\xff\xfe\n{"audio_filepath": "/b", "status": "ok"}\n'
+                  b'{"audio_filepath": "/c", "offset": "x"}\n{"audio_filepath": "/c", "offset": true}\n'
+                  b'{"audio_filepath": "/c", "offset": 1.5, "status": "ok"}\n')
+    assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/b", "/c"]  # a segment's offset is seconds
     err = capsys.readouterr().err
-    assert all(f"{p}:{n}: not a results record, skipped" in err for n in (2, 3, 4, 5))
+    assert all(f"{p}:{n}: not a results record, skipped" in err for n in (2, 3, 4, 5, 7, 8))
 
 
 def test_staged_writes_appear_together_at_commit_and_fail_by_key(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import sys
 import tempfile
@@ -292,10 +293,16 @@ def read_results(path: Path) -> list[dict]:
                 record = json.loads(raw.decode("utf-8"))
             except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
                 record = None
-            if not (isinstance(record, dict) and isinstance(record.get("audio_filepath"), str)):
+            if not (isinstance(record, dict) and isinstance(record.get("audio_filepath"), str)
+                    and _is_offset(record.get("offset"))):
                 # Edited by hand or damaged on disk: a note, and its file, with no line that
                 # says it is done, is done again.
                 print(f"note: {path}:{lineno}: not a results record, skipped", file=sys.stderr)
                 continue
             out.append(record)
     return out
+
+
+def _is_offset(value) -> bool:
+    """A record's `offset`: none, or seconds (a number: `inputs.record_key` keys segments by it)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
