@@ -240,3 +240,31 @@ def test_a_stream_given_its_slot_late_in_a_timeout_window_gets_the_whole_timeout
 
     out = _run(model, ServerConfig(port=0, max_streams=1, idle_timeout_s=1.0), scenario)
     assert out[-1]["type"] == "final", out[-1]
+
+
+def test_a_client_uploading_faster_than_the_steps_is_read_only_as_they_catch_up(model, files):
+    """A stream's undecoded audio stays within max_backlog_s (plus the message that crossed it):
+    past it the server stops reading the connection until the steps catch up, so an upload of
+    hours holds that much memory, not all of it. The transcript is the same as unhindered."""
+    import time
+
+    import numpy as np
+
+    audio = np.concatenate([f["samples"] for f in files] * 2)
+    backlog: list[float] = []
+
+    async def scenario(server, host, port):
+        step = server.scheduler.pool.step
+
+        def slow_step(chunks):  # a bigger model on a busy CPU
+            backlog.extend(s.audio_seconds - s.decoded_seconds for s in server.scheduler.active.values())
+            time.sleep(0.02)
+            return step(chunks)
+
+        server.scheduler.pool.step = slow_step
+        return await stream_audio(host, port, "upload", audio, piece_s=0.5, realtime=False)
+
+    run = _run(model, ServerConfig(port=0, max_streams=1, max_backlog_s=2.0), scenario)
+    assert run.final["text"] == _run(model, ServerConfig(port=0, max_streams=1), lambda s, h, p: stream_audio(
+        h, p, "alone", audio, piece_s=0.5, realtime=False)).final["text"]
+    assert audio.shape[0] / 16000 > 10 and max(backlog) <= 2.0 + 0.5 + 1e-6, max(backlog)

@@ -360,6 +360,7 @@ def serve(
     max_streams: int = typer.Option(16, "--max-streams", min=1, help="Cache slots: streams decoded at once."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Clients queued for a slot before 'busy'."),
     idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", min=0.1, help="Drop a silent client after this many seconds."),
+    max_backlog_s: float = typer.Option(120.0, "--max-backlog", min=1.0, help="Seconds of undecoded audio a stream may hold before its connection is read only as decoding catches up."),
     ws_port: Optional[int] = typer.Option(None, "--ws-port", min=0, max=65535, help="Also serve the protocol over WebSocket on this port (default: off)."),
     chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
@@ -375,7 +376,8 @@ def serve(
     _check_streaming(chunk_ms, left_ms, right_ms)
     try:
         signum = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
-                            idle_timeout_s=idle_timeout_s, ws_port=ws_port, chunk_ms=chunk_ms, left_ms=left_ms,
+                            idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s, ws_port=ws_port,
+                            chunk_ms=chunk_ms, left_ms=left_ms,
                             right_ms=right_ms, device=pick_device(device), dtype=dtype)
     except OptionError as e:  # chunking options this model does not take
         raise _fail(str(e), EXIT_USAGE)

@@ -101,7 +101,8 @@ def _print_message(echo, msg: dict, as_json: bool) -> None:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
           idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
-          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> int:
+          left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto",
+          max_backlog_s: float = 120.0) -> int:
     """Run the streaming server until SIGINT / SIGTERM (see transcribe/streaming/protocol.py):
     TCP on `port`, and the same protocol over WebSocket on `ws_port` when given (None = no
     WebSocket). chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None =
@@ -109,5 +110,5 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: in
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
-                       max_waiting=max_waiting, idle_timeout_s=idle_timeout_s)
+                       max_waiting=max_waiting, idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s)
     return asyncio.run(serve_forever(sm, cfg))

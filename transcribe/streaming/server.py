@@ -49,6 +49,11 @@ class ServerConfig:
     # drops the client: without it a client that keeps sending audio but never reads holds its
     # slot until `send_queue` results pile up, minutes at one partial per chunk.
     send_timeout_s: float = 10.0
+    # Undecoded audio a stream may hold (queued for a slot, or ahead of its steps) before the
+    # server stops reading its connection until the steps catch up: the client's sends then
+    # block (TCP's flow control), so a client uploading hours at once holds this much, not all
+    # of it (four queued clients sending 31 min each took the server from 271 to 791 MB).
+    max_backlog_s: float = 120.0
 
 
 Incoming = dict[str, Any] | bytes  # a parsed JSON message, or a binary frame of raw PCM (WebSocket)
@@ -123,6 +128,7 @@ class _Client:
         self.out: asyncio.Queue[dict | None] = asyncio.Queue(maxsize)
         self.session: SessionBase | None = None
         self.final = asyncio.Event()
+        self.progress = asyncio.Event()  # set after each step of its stream, and when dropped
         self.dropped = False
 
 
@@ -238,6 +244,15 @@ class StreamServer:
                 return
             session.push_audio(msg.samples)
             self._wake.set()
+            await self._caught_up(client, session)
+
+    async def _caught_up(self, client: _Client, session: SessionBase) -> None:
+        """Return once the stream's undecoded audio is within `max_backlog_s` (at once, for a
+        client sending in real time): until then its connection is not read. No timeout runs
+        meanwhile: the wait is the server's (a queued stream's lasts as long as the queue)."""
+        while not client.dropped and session.audio_seconds - session.decoded_seconds > self.cfg.max_backlog_s:
+            client.progress.clear()
+            await client.progress.wait()
 
     async def _await_final(self, client: _Client, session: SessionBase) -> None:
         """Wait for the final after "end". A stream that sent its audio faster than real time
@@ -309,6 +324,7 @@ class StreamServer:
 
     def _drop(self, client: _Client) -> None:
         client.dropped = True
+        client.progress.set()  # a handler waiting for its backlog returns
         self._close_session(client, failed=True)
         client.transport.abort()
 
@@ -353,6 +369,10 @@ class StreamServer:
                     self._notify_admitted()
                 self.steps += 1
                 self._deliver(sched.apply(sessions, hyps))
+                for s in sessions:  # their handlers may be waiting for the backlog to shrink
+                    client = self._clients.get(s.stream_id)
+                    if client is not None:
+                        client.progress.set()
                 heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
             self._deliver(sched.finish_idle())
 
