@@ -268,3 +268,23 @@ def test_a_client_uploading_faster_than_the_steps_is_read_only_as_they_catch_up(
     assert run.final["text"] == _run(model, ServerConfig(port=0, max_streams=1), lambda s, h, p: stream_audio(
         h, p, "alone", audio, piece_s=0.5, realtime=False)).final["text"]
     assert audio.shape[0] / 16000 > 10 and max(backlog) <= 2.0 + 0.5 + 1e-6, max(backlog)
+
+
+def test_a_backlog_limit_below_a_chunk_and_its_right_context_cannot_stall_a_stream(files):
+    """An offline-trained model steps once a chunk and its right context have arrived (2 s + 2 s):
+    a --max-backlog under that would stop reading before any step could run, for good. The
+    limit is raised to what a step needs, and the stream ends as it does unhindered."""
+    import numpy as np
+
+    from conftest import NEMO_REF
+    from transcribe.streaming.scheduler import StreamingModel
+
+    chunked = StreamingModel.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo")
+    assert chunked.step_seconds == 4.0
+    audio = np.concatenate([f["samples"] for f in files])
+
+    def run(cfg):
+        return _run(chunked, cfg, lambda s, h, p: asyncio.wait_for(
+            stream_audio(h, p, "x", audio, piece_s=0.5, realtime=False), 60.0)).final["text"]
+
+    assert run(ServerConfig(port=0, max_streams=1, max_backlog_s=1.0)) == run(ServerConfig(port=0, max_streams=1))

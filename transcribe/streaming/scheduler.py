@@ -87,6 +87,16 @@ class StreamingModel:
     def mode(self) -> str:
         return "cache-aware" if self.encoder is not None else "chunked"
 
+    @property
+    def step_seconds(self) -> float:
+        """Audio a stream holds beyond what it has decoded before its next step can run: the
+        chunk, and an offline-trained model's right context."""
+        if self.context is not None:
+            samples = (self.context.chunk + self.context.right) * self.frame_samples
+        else:
+            samples = max(self.encoder.cfg.chunk_frames) * self.engine.feature_cfg.hop_length
+        return samples / self.sample_rate
+
     @classmethod
     def from_nemo(cls, path: str | Path, **context_ms: float | None) -> "StreamingModel":
         return cls(ParakeetEngine.from_nemo(path, device="cpu"), **context_ms)

@@ -250,7 +250,10 @@ class StreamServer:
         """Return once the stream's undecoded audio is within `max_backlog_s` (at once, for a
         client sending in real time): until then its connection is not read. No timeout runs
         meanwhile: the wait is the server's (a queued stream's lasts as long as the queue)."""
-        while not client.dropped and session.audio_seconds - session.decoded_seconds > self.cfg.max_backlog_s:
+        # Never below what a step needs: a stream waiting for audio it is not read for would
+        # wait for good (2 s chunks + 2 s right context with --max-backlog 1).
+        limit = max(self.cfg.max_backlog_s, self.model.step_seconds + 1.0)
+        while not client.dropped and session.audio_seconds - session.decoded_seconds > limit:
             client.progress.clear()
             await client.progress.wait()
 
