@@ -288,3 +288,17 @@ def test_a_backlog_limit_below_a_chunk_and_its_right_context_cannot_stall_a_stre
             stream_audio(h, p, "x", audio, piece_s=0.5, realtime=False), 60.0)).final["text"]
 
     assert run(ServerConfig(port=0, max_streams=1, max_backlog_s=1.0)) == run(ServerConfig(port=0, max_streams=1))
+
+
+def test_a_backlog_limit_below_a_cache_aware_chunk_cannot_stall_a_stream(model, files):
+    """The cache-aware fixture steps 1.05 s, then 1.12 s chunks: 2.15 s and "end" under a 1 s
+    limit left 1.1 s undecoded, too little for a step and more than the limit, and the
+    handler never read the "end" (found in review)."""
+    audio = files[2]["samples"][: int(2.15 * 16000)]
+
+    async def scenario(server, host, port):
+        return await _raw(host, port, [_hello("u"), P.encode(P.audio_message(audio)), P.encode({"type": "end"})],
+                          read_timeout=15.0)
+
+    out = _run(model, ServerConfig(port=0, max_streams=1, max_backlog_s=1.0), scenario)
+    assert out[-1]["type"] == "final", out
