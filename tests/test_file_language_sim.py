@@ -183,7 +183,6 @@ def simulate(seed, n_workers=2, n_files=5, p_error_event=0.05):
     # drain leftover events (pieces of failed files)
     for ev in events:
         job._on_event(ev, batcher, pool, slab)
-    in_batcher = [p.slot for b in batcher.buckets for _, p in b]
     while len(batcher):  # pieces of failed files still waiting: a later batch gives them back
         job._run_batch(batcher.take(), batcher, pool, slab)
     assert not job.languages.files, job.languages.files
