@@ -165,7 +165,7 @@ class _Job:
         self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
                                     identities, kept)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
-        # A model that detects the language: a file's later pieces wait for its first's.
+        # A model that detects the language: a file's later pieces wait for its language (file_language).
         self.languages = FileLanguages() if engine.detects_language else None
         self.split_at_s = float("inf")  # padded batch seconds that ran out of memory: halve from there
 
