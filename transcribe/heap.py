@@ -8,12 +8,17 @@ the encoder alone on random shapes reached 1.27 GB after 3,000 batches where tri
 100 batches held it at 0.64 GB: free memory kept, not leaked, but a million-file job or a
 server up for weeks runs out all the same. malloc_trim(0) takes under 1 ms. Elsewhere (musl,
 macOS) there is no malloc_trim and this does nothing.
+
+`out_of_memory` tells torch's out-of-memory errors from its other RuntimeErrors, for the
+pipeline (a batch run again in halves) and the streaming pool (a message naming --max-streams).
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import time
+
+import torch
 
 EVERY_S = 1.0
 
@@ -38,3 +43,10 @@ def trim() -> bool:
     _last = now
     _TRIM(0)
     return True
+
+
+def out_of_memory(error: RuntimeError) -> bool:
+    """Whether torch ran out of memory: torch.OutOfMemoryError on CUDA; the CPU allocator
+    raises a plain RuntimeError ("can't allocate memory", or "not enough memory")."""
+    return isinstance(error, torch.OutOfMemoryError) or "not enough memory" in str(error) \
+        or "can't allocate memory" in str(error)

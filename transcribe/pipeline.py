@@ -295,7 +295,7 @@ class _Job:
             error = e
         finally:
             del views
-        if _out_of_memory(error):
+        if heap.out_of_memory(error):
             self.split_at_s = min(self.split_at_s, size)
             _release_cached_memory(self.engine.device)
         if len(batch) == 1:
@@ -330,12 +330,6 @@ class _Job:
 def _padded_seconds(batch: list[Piece], sample_rate: int) -> float:
     """Audio seconds the batch's encoder input spans: rows x its longest piece."""
     return len(batch) * max(p.samples for p in batch) / sample_rate
-
-
-def _out_of_memory(error: RuntimeError) -> bool:
-    # torch.OutOfMemoryError on CUDA; the CPU allocator raises a plain RuntimeError.
-    return isinstance(error, torch.OutOfMemoryError) or "not enough memory" in str(error) \
-        or "can't allocate memory" in str(error)
 
 
 def _release_cached_memory(device: str) -> None:

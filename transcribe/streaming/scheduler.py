@@ -27,6 +27,7 @@ from engines.parakeet import ParakeetEngine
 from engines.stream_pool import ChunkInput, StreamPool
 from engines.streaming_encoder import CacheAwareEncoder
 from engines.transducer import TransducerDecoder
+from transcribe import heap
 from transcribe.features import LogMel
 from transcribe.streaming.chunked_session import ChunkedSession
 from transcribe.streaming.session import IncrementalLogMel, SessionBase, SessionState, StreamSession
@@ -108,8 +109,8 @@ class StreamingModel:
             if self.encoder is None:
                 return ChunkedStreamPool(self.engine.encoder, self.engine.decoder, self.logmel, max_streams)
             return StreamPool(self.encoder, self.engine.decoder, max_streams)
-        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; the CPU allocator's RuntimeError
-            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+        except RuntimeError as e:
+            if not heap.out_of_memory(e):
                 raise
             raise ValueError(f"cannot allocate the cache pool for --max-streams {max_streams} on "
                              f"{self.engine.device}: {str(e).strip().splitlines()[0][:200]}; "
