@@ -43,7 +43,7 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            holder = _holder(fd)
             raise OutputBusy(f"{out_dir} is in use by another transcribe run"
                              + (f" (pid {holder})" if holder else "")) from None
         except OSError as e:  # Lustre mounted without flock, some NFS setups: run unguarded
@@ -67,12 +67,17 @@ def writer_of(out_dir: Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return _holder(fd)
     except OSError:
         return None
     finally:
         os.close(fd)
     return None
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote into the lock file (`out_dir_lock`), "" if none."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip()
 
 
 def file_identity(path: Path) -> dict:
@@ -122,10 +127,11 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
                 settings is None or r.get("settings", {}) == settings
             ):
                 f = by_key[key]
-                if _vouched(r, outputs(f), log_path.parent):
+                wanted = outputs(f)
+                if _vouched(r, wanted, log_path.parent):
                     done.add(key)
                     continue
-                ours, named = {p.as_posix() for p in outputs(f)}, {p.as_posix() for p in names(f)}
+                ours, named = {p.as_posix() for p in wanted}, {p.as_posix() for p in names(f)}
                 kept[key] = [p for p in r.get("outputs") or () if p not in ours and p in named
                              and (log_path.parent / p).exists()]
     keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
