@@ -8,18 +8,26 @@ from transcribe.inputs import InputFile
 from transcribe.resume import file_identity, plan_resume
 
 
-def test_a_line_vouches_for_the_outputs_it_names_and_old_lines_for_any_that_exist(tmp_path):
-    audio = {name: tmp_path / f"{name}.flac" for name in ("old", "named", "unnamed")}
+def _inputs(tmp_path, names):
+    """Audio files `names` (.flac), an out folder with a .txt for each, their identities, and
+    `line(name, model="m", **more)`: an ok results.jsonl record for one of them."""
+    audio = {name: tmp_path / f"{name}.flac" for name in names}
     for p in audio.values():
         p.write_bytes(b"x")
     out = tmp_path / "out"
     out.mkdir()
     for name in audio:
         (out / f"{name}.txt").write_text("t")
-        (out / f"{name}.json").write_text("{}")  # all exist: only what the lines say differs
     ident = {p: file_identity(p) for p in audio.values()}
-    line = lambda name, **more: {"audio_filepath": str(audio[name]), "status": "ok", "model": "m",
-                                 **ident[audio[name]], **more}
+    line = lambda name, model="m", **more: {"audio_filepath": str(audio[name]), "status": "ok", "model": model,
+                                            **ident[audio[name]], **more}
+    return audio, out, ident, line
+
+
+def test_a_line_vouches_for_the_outputs_it_names_and_old_lines_for_any_that_exist(tmp_path):
+    audio, out, ident, line = _inputs(tmp_path, ("old", "named", "unnamed"))
+    for name in audio:
+        (out / f"{name}.json").write_text("{}")  # all exist: only what the lines say differs
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
         line("old"),  # logged before lines named their outputs
         line("named", outputs=["named.txt", "named.json"]),
@@ -34,18 +42,8 @@ def test_a_line_vouches_for_the_outputs_it_names_and_old_lines_for_any_that_exis
 
 
 def test_a_redone_file_keeps_the_formats_its_line_listed_when_audio_model_and_settings_match(tmp_path):
-    audio = {name: tmp_path / f"{name}.flac" for name in ("same", "other_model", "changed", "gone", "clash")}
-    for p in audio.values():
-        p.write_bytes(b"x")
-    out = tmp_path / "out"
-    out.mkdir()
-    for name in audio:
-        (out / f"{name}.txt").write_text("t")
-    (out / "gone.srt").unlink(missing_ok=True)
-    (out / "same.srt").write_text("s")
-    ident = {p: file_identity(p) for p in audio.values()}
-    line = lambda name, model="m", **more: {"audio_filepath": str(audio[name]), "status": "ok", "model": model,
-                                            **ident[audio[name]], **more}
+    audio, out, ident, line = _inputs(tmp_path, ("same", "other_model", "changed", "gone", "clash"))
+    (out / "same.srt").write_text("s")  # gone.srt, listed below, is not there
     log = "".join(json.dumps(r) + "\n" for r in (
         line("same", outputs=["same.txt", "same.srt"]),
         line("other_model", model="n", outputs=["other_model.txt"]),  # another model's text
