@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 
 from conftest import needs_shared
@@ -302,3 +303,101 @@ def test_a_backlog_limit_below_a_cache_aware_chunk_cannot_stall_a_stream(model, 
 
     out = _run(model, ServerConfig(port=0, max_streams=1, max_backlog_s=1.0), scenario)
     assert out[-1]["type"] == "final", out
+
+
+def test_a_step_failing_with_any_exception_fails_its_streams_not_the_server(model, files):
+    """A bug in a step (here a ValueError, not the RuntimeError a device error is) ends the
+    streams in that step with "internal"; the engine goes on serving the next ones."""
+    audio = files[2]["samples"]
+
+    async def scenario(server, host, port):
+        step, calls = server.scheduler.pool.step, []
+
+        def failing_once(chunks):
+            calls.append(len(chunks))
+            if len(calls) == 1:
+                raise ValueError("a bug in the step")
+            return step(chunks)
+
+        server.scheduler.pool.step = failing_once
+        failed = await stream_audio(host, port, "failed", audio, realtime=False)
+        good = await stream_audio(host, port, "good", audio, realtime=False)
+        return failed, good
+
+    failed, good = _run(model, ServerConfig(port=0, max_streams=2, final_timeout_s=3.0), scenario)
+    assert failed.error["code"] == "internal" and "ValueError: a bug in the step" in failed.error["message"]
+    assert good.error is None and good.final["text"] == files[2]["offline_text"]
+
+
+def test_an_engine_dying_outside_a_step_stops_the_server_with_1(model, files, monkeypatch):
+    """A bug outside a step (finishing idle streams, here) ends the engine loop: serving on
+    would leave every stream to its timeout, so the server stops, each client told why, and
+    serve_forever returns 1 (the exit status)."""
+    from transcribe.streaming.scheduler import Scheduler
+    from transcribe.streaming.server import serve_forever
+
+    def broken(self):
+        raise KeyError("a bug outside the step")
+
+    monkeypatch.setattr(Scheduler, "finish_idle", broken)
+    with socket.socket() as s:  # a free port for serve_forever, which binds its own
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        server = asyncio.ensure_future(serve_forever(model, ServerConfig(port=port, max_streams=2)))
+        for _ in range(100):
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        writer.write(_hello("a") + P.encode(P.audio_message(files[0]["samples"][:32000])))
+        await writer.drain()
+        msgs = []
+        while line := await asyncio.wait_for(reader.readline(), 10.0):
+            msgs.append(json.loads(line))
+        writer.close()
+        return msgs, await asyncio.wait_for(server, 10.0)
+
+    msgs, status = asyncio.run(main())
+    assert status == 1
+    assert msgs[-1]["code"] == "internal" and "KeyError" in msgs[-1]["message"], msgs
+
+
+def test_stopping_tells_every_client_and_frees_every_slot(model, files):
+    """stop() (SIGINT / SIGTERM) ends each stream with a "shutdown" error, flushed before the
+    connection closes; a WebSocket closes with 1001 (going away), not 1006 (abnormal)."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+    from transcribe.streaming.server import StreamServer
+
+    audio = files[0]["samples"][:32000]
+
+    async def main():
+        server = StreamServer(model, ServerConfig(port=0, ws_port=0, max_streams=1, max_waiting=2))
+        host, port = await server.start()
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_hello("tcp") + P.encode(P.audio_message(audio)))
+        await writer.drain()
+        assert json.loads(await reader.readline())["type"] == "ready"
+        ws = await connect("ws://%s:%d" % server.ws_address)
+        await ws.send(_hello("ws").decode())
+        assert json.loads(await ws.recv())["type"] == "waiting"  # queued: told too
+        await server.stop()
+        tcp_msgs = [json.loads(line) for line in (await reader.read()).splitlines()]
+        ws_msgs = []
+        try:
+            while True:
+                ws_msgs.append(json.loads(await ws.recv()))
+        except ConnectionClosed as e:
+            close_code = e.rcvd.code if e.rcvd else None
+        writer.close()
+        return server, tcp_msgs, ws_msgs, close_code
+
+    server, tcp_msgs, ws_msgs, close_code = asyncio.run(main())
+    assert tcp_msgs[-1]["code"] == "shutdown", tcp_msgs
+    assert ws_msgs[-1]["code"] == "shutdown", ws_msgs
+    assert close_code == 1001
+    assert server.scheduler.pool.free_slots == 1
+    assert not server.scheduler.active and not server.scheduler.waiting

@@ -375,7 +375,7 @@ def serve(
     _check_runtime(device, dtype)
     _check_streaming(chunk_ms, left_ms, right_ms)
     try:
-        signum = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
+        status = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
                             idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s, ws_port=ws_port,
                             chunk_ms=chunk_ms, left_ms=left_ms,
                             right_ms=right_ms, device=pick_device(device), dtype=dtype)
@@ -383,7 +383,7 @@ def serve(
         raise _fail(str(e), EXIT_USAGE)
     except (ValueError, OSError) as e:
         raise _fail(str(e), EXIT_NOTHING_RAN)
-    raise typer.Exit(128 + signum)  # stopped by SIGINT / SIGTERM, as the other commands report it
+    raise typer.Exit(status)  # 128 + SIGINT / SIGTERM, as the other commands report it; 1: the engine failed
 
 
 @sub_app.command("export-engine", help="Build the TensorRT encoder engine for a model ahead of time (cached where "

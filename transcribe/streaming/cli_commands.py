@@ -106,7 +106,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: in
     """Run the streaming server until SIGINT / SIGTERM (see transcribe/streaming/protocol.py):
     TCP on `port`, and the same protocol over WebSocket on `ws_port` when given (None = no
     WebSocket). chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None =
-    defaults). Returns the signal that stopped it."""
+    defaults). Returns the exit status: 128 + the signal that stopped it, or 1 when the engine
+    died of a bug (the server stops rather than leave every stream waiting)."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,

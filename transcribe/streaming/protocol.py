@@ -25,7 +25,9 @@ Server -> client (over WebSocket: text frames)
         line limit below holds ~15 h of speech)
     Times are seconds from the stream start; audio_seconds: audio decoded so far.
     {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
-        the connection after an error (the stream is over, its slot returned)
+        the connection after an error (the stream is over, its slot returned). "shutdown":
+        the server is stopping (SIGINT / SIGTERM; over WebSocket the close code is 1001, going
+        away); "internal": a step failed (or the engine, and the server stops)
 A message (line or frame) is at most MAX_LINE_BYTES. Over TCP a longer line gets a
 "bad_message" error; over WebSocket a longer frame makes the server close with code 1009
 (message too big), as the WebSocket library enforces the limit before the message is read.
@@ -46,7 +48,7 @@ from transcribe.streaming.transcript import Update
 
 MAX_LINE_BYTES = 4 * 1024 * 1024  # one message; ~65 s of base64 PCM16 at 16 kHz
 FORMATS = {"pcm16": np.dtype("<i2"), "float32": np.dtype("<f4")}
-ERROR_CODES = ("bad_message", "bad_audio", "sample_rate", "busy", "timeout", "stream_id", "internal")
+ERROR_CODES = ("bad_message", "bad_audio", "sample_rate", "busy", "timeout", "stream_id", "internal", "shutdown")
 
 
 class ProtocolError(ValueError):

@@ -65,7 +65,7 @@ class _Transport(Protocol):
     async def recv(self) -> Incoming: ...
     async def send(self, msg: dict) -> None: ...
     def abort(self) -> None: ...  # drop at once, no goodbye (a slow client is not reading)
-    async def close(self) -> None: ...
+    async def close(self, going_away: bool) -> None: ...  # going_away: the server is stopping
 
 
 class _TcpTransport:
@@ -88,7 +88,7 @@ class _TcpTransport:
     def abort(self) -> None:
         self.writer.transport.abort()
 
-    async def close(self) -> None:
+    async def close(self, going_away: bool) -> None:
         self.writer.close()
 
 
@@ -118,8 +118,14 @@ class _WsTransport:
     def abort(self) -> None:
         self.ws.transport.abort()
 
-    async def close(self) -> None:
-        await self.ws.close()
+    async def close(self, going_away: bool) -> None:
+        # 1001 tells a client the server is going away (reconnect elsewhere), not that it erred
+        await self.ws.close(1001 if going_away else 1000)
+
+
+class _Ended(Exception):
+    """The server ended the client's stream (dropped it, or is stopping) while its handler
+    waited: the client was told why, or its connection is gone."""
 
 
 class _Client:
@@ -127,9 +133,11 @@ class _Client:
         self.transport = transport
         self.out: asyncio.Queue[dict | None] = asyncio.Queue(maxsize)
         self.session: SessionBase | None = None
-        self.final = asyncio.Event()
+        self.final = asyncio.Event()  # its final result is queued
+        self.ended = asyncio.Event()  # final queued or dropped: whatever its handler awaits ends
         self.progress = asyncio.Event()  # set after each step of its stream, and when dropped
-        self.dropped = False
+        self.dropped = False  # the server ended the stream: nothing more is queued for it
+        self.aborted = False  # its connection was cut: nothing queued can be flushed
 
 
 class StreamServer:
@@ -145,6 +153,8 @@ class StreamServer:
         self._ws_server: WsServer | None = None
         self.ws_address: tuple[str, int] | None = None  # bound (host, port) when ws_port is set
         self._engine: asyncio.Task | None = None
+        self.engine_failure: BaseException | None = None  # the engine loop died of it (a bug)
+        self.broken = asyncio.Event()  # set then: serve_forever stops the server
         self.steps = 0
 
     async def start(self) -> tuple[str, int]:
@@ -154,6 +164,7 @@ class StreamServer:
         if self.cfg.ws_port is not None:
             await self._start_ws()
         self._engine = asyncio.create_task(self._engine_loop())
+        self._engine.add_done_callback(self._engine_ended)
         gc.collect()
         gc.freeze()  # the model and pool live forever: keep them out of every collection
         return self._server.sockets[0].getsockname()[:2]
@@ -167,24 +178,30 @@ class StreamServer:
         self.ws_address = self._ws_server.sockets[0].getsockname()[:2]
 
     async def stop(self) -> None:
+        """Stop listening, end every stream with an error saying why ("shutdown", or
+        "internal" when the engine died), flush it and close each connection cleanly
+        (WebSocket: 1001, going away), freeing the slots; then let every handler return.
+        Cancelling the handlers instead makes asyncio's TCP callback log a CancelledError
+        traceback (Python 3.11): only one still running after 5 s is."""
         self._stopping = True
         if self._server is not None:
             self._server.close()
-        if self._ws_server is not None:
-            self._ws_server.close()
+        if self._ws_server is not None:  # our handlers close their connections, after the goodbye
+            self._ws_server.close(close_connections=False)
         if self._engine is not None:
             self._engine.cancel()
-        # Every connection, with a stream or not yet, is aborted: its handler sees it close and
-        # returns. Cancelling the handlers instead makes asyncio's TCP callback log a
-        # CancelledError traceback (Python 3.11); only one still running after 5 s is.
+        if self.engine_failure is None:
+            goodbye = P.error_message("shutdown", "the server is shutting down")
+        else:
+            goodbye = P.error_message("internal", f"the server's engine failed: {_describe(self.engine_failure)}")
         for client in list(self._handlers.values()):
-            self._drop(client)
-        if self._ws_server is not None:  # its close runs in a task: let it finish on this loop
-            await self._ws_server.wait_closed()
+            self._drop(client, goodbye)
         if self._handlers:
             _, late = await asyncio.wait(self._handlers, timeout=5.0)
             for task in late:
                 task.cancel()
+        if self._ws_server is not None:  # its close runs in a task: let it finish on this loop
+            await self._ws_server.wait_closed()
         self._executor.shutdown(wait=True)
 
     # -- per connection -------------------------------------------------------------------
@@ -201,21 +218,24 @@ class StreamServer:
         self._handlers[handler] = client
         handler.add_done_callback(self._handlers.pop)
         if self._stopping:
+            client.aborted = True
             transport.abort()
         try:
             await self._serve(client)
         except P.ProtocolError as e:
             self._send(client, P.error_message(e.code, str(e)))
+        except _Ended:
+            pass  # dropped or stopped by the server, which said why
         except (ConnectionError, asyncio.IncompleteReadError):
             log.info("client disconnected")
         finally:
             self._close_session(client, failed=not client.final.is_set())
-            if not client.dropped:  # a dropped client's connection is gone: nothing to flush
+            if not client.aborted:  # an aborted connection is gone: nothing to flush
                 if not client.out.full():
                     client.out.put_nowait(None)  # sender: flush what is queued, then stop
                 await asyncio.wait([sender], timeout=2.0)
             sender.cancel()
-            await transport.close()
+            await transport.close(self._stopping)
 
     async def _serve(self, client: _Client) -> None:
         first = await self._recv(client)
@@ -264,8 +284,8 @@ class StreamServer:
         steps ran, not `final_timeout_s` after "end" while it is still being decoded."""
         while True:
             progress = session.steps
-            try:
-                await self._unless_late(client, client.final.wait(), self.cfg.final_timeout_s,
+            try:  # `ended`: a drop ends the wait too
+                await self._unless_late(client, client.ended.wait(), self.cfg.final_timeout_s,
                                         "no final result in time (server overloaded)")
                 return
             except P.ProtocolError:
@@ -287,14 +307,18 @@ class StreamServer:
         """`awaitable`'s result, or a "timeout" error after `timeout_s` during which the client
         held a slot (or had not said hello): a stream queued for a slot waits as long as the
         queue takes, as the server is the one keeping it (a disconnect still ends a read), and
-        has the whole `timeout_s` from the moment it got its slot."""
-        task = asyncio.ensure_future(awaitable)
+        has the whole `timeout_s` from the moment it got its slot. _Ended once the server ends
+        the stream (a read would otherwise wait for a client that was told to go)."""
+        task, ended = asyncio.ensure_future(awaitable), asyncio.ensure_future(client.ended.wait())
         try:
             deadline = time.monotonic() + timeout_s
             while True:
-                done, _ = await asyncio.wait([task], timeout=max(deadline - time.monotonic(), 0.0))
-                if done:
+                done, _ = await asyncio.wait([task, ended], timeout=max(deadline - time.monotonic(), 0.0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
                     return task.result()
+                if ended in done:
+                    raise _Ended()
                 session, now = client.session, time.monotonic()
                 if session is not None and session.state == SessionState.WAITING:
                     deadline = now + timeout_s
@@ -304,6 +328,7 @@ class StreamServer:
                     raise P.ProtocolError("timeout", message)
         finally:
             task.cancel()  # cancelling a read loses no data (see the transports)
+            ended.cancel()
 
     async def _sender(self, client: _Client) -> None:
         try:
@@ -325,11 +350,20 @@ class StreamServer:
             log.warning("dropping slow client %s", client.session and client.session.stream_id)
             self._drop(client)
 
-    def _drop(self, client: _Client) -> None:
-        client.dropped = True
-        client.progress.set()  # a handler waiting for its backlog returns
-        self._close_session(client, failed=True)
-        client.transport.abort()
+    def _drop(self, client: _Client, goodbye: dict | None = None) -> None:
+        """End the client's stream now and free its slot: its connection aborted (a slow or
+        vanished client), or, given `goodbye`, that message queued for the handler to flush
+        before it closes the connection. Whatever the handler awaits ends."""
+        if not client.dropped:
+            if goodbye is not None:
+                self._send(client, goodbye)  # a full queue aborts the client here instead
+            client.dropped = True
+            client.ended.set()
+            client.progress.set()  # a handler waiting for its backlog returns
+            self._close_session(client, failed=True)
+        if goodbye is None and not client.aborted:  # also a goodbye whose flush blocked
+            client.aborted = True
+            client.transport.abort()
 
     def _close_session(self, client: _Client, failed: bool) -> None:
         session = client.session
@@ -351,7 +385,6 @@ class StreamServer:
 
     # -- engine ---------------------------------------------------------------------------
     async def _engine_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         sched = self.scheduler
         while True:
             await self._wake.wait()
@@ -360,24 +393,40 @@ class StreamServer:
                 sessions, chunks = sched.collect()
                 if not chunks:
                     break
-                sched.begin_step()
                 try:
-                    hyps = await loop.run_in_executor(self._executor, sched.pool.step, chunks)
-                except RuntimeError as e:  # a failed step fails its streams, not the server
+                    await self._step(sessions, chunks)
+                except Exception as e:  # a failed step fails its streams, not the server
                     log.exception("stream step failed")
-                    self._fail(sessions, str(e))
-                    continue
-                finally:
-                    sched.end_step()
-                    self._notify_admitted()
-                self.steps += 1
-                self._deliver(sched.apply(sessions, hyps))
-                for s in sessions:  # their handlers may be waiting for the backlog to shrink
-                    client = self._clients.get(s.stream_id)
-                    if client is not None:
-                        client.progress.set()
+                    self._fail(sessions, _describe(e))
                 heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
             self._deliver(sched.finish_idle())
+
+    async def _step(self, sessions: list[SessionBase], chunks: list) -> None:
+        """One batched pool step (in the worker thread) and its results sent."""
+        sched = self.scheduler
+        sched.begin_step()
+        try:
+            hyps = await asyncio.get_running_loop().run_in_executor(self._executor, sched.pool.step, chunks)
+        finally:
+            sched.end_step()
+            self._notify_admitted()
+        self.steps += 1
+        self._deliver(sched.apply(sessions, hyps))
+        for s in sessions:  # their handlers may be waiting for the backlog to shrink
+            client = self._clients.get(s.stream_id)
+            if client is not None:
+                client.progress.set()
+
+    def _engine_ended(self, task: asyncio.Task) -> None:
+        """The engine loop ends only when cancelled (stop); anything else is a bug outside a
+        step (collecting chunks, finishing idle streams). Serving on without it would leave
+        every stream waiting for its timeout, so the server stops, saying why."""
+        if task.cancelled():
+            return
+        self.engine_failure = task.exception()
+        log.critical("the streaming engine stopped: %s", _describe(self.engine_failure),
+                     exc_info=self.engine_failure)
+        self.broken.set()
 
     def _deliver(self, updates) -> None:
         for session, update in updates:
@@ -388,20 +437,26 @@ class StreamServer:
                 self._send(client, msg)
             if update.final is not None:
                 client.final.set()
+                client.ended.set()
         self._notify_admitted()
 
     def _fail(self, sessions: list[SessionBase], message: str) -> None:
+        """The step's streams end with an "internal" error, but not one whose final was
+        already sent (a step can fail after delivering some of its results)."""
         for s in sessions:
             client = self._clients.get(s.stream_id)
-            if client is not None:
-                self._send(client, P.error_message("internal", message))
-                self._drop(client)
+            if client is not None and not client.final.is_set():
+                self._drop(client, P.error_message("internal", message))
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
-    """Serve until SIGINT or SIGTERM; returns that signal's number once every connection is
-    closed (their streams' slots freed) and every handler has finished, so a stop prints no
-    cancellation tracebacks."""
+    """Serve until SIGINT or SIGTERM, or until the engine dies of a bug; returns the exit
+    status (128 + the signal, or 1) once every connection is closed (their streams' slots
+    freed) and every handler has finished, so a stop prints no cancellation tracebacks."""
     server = StreamServer(model, cfg)
     host, port = await server.start()
     log.warning("listening on %s:%d (max_streams=%d)", _hostport(host), port, cfg.max_streams)
@@ -410,11 +465,14 @@ async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
     loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.broken.wait())]
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for w in waits:
+            w.cancel()
         await server.stop()
-    return int(got[0])
+    return 128 + int(got[0]) if got else 1
 
 
 def _hostport(host: str) -> str:
