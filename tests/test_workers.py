@@ -275,6 +275,34 @@ def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypat
         assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
 
 
+def test_a_cut_off_ogg_fails_naming_why(tmp_path):
+    """libsndfile decodes a cut-off Ogg file to its last whole page without complaint (a
+    half-copied Opus file was transcribed "ok"; one cut off mid-page even went to PyAV as a
+    "chained" stream). Ogg says where a stream ends: its last page is whole and flagged
+    end-of-stream. Whole files, and one with bytes of another kind after its last page, read
+    as before."""
+    from transcribe.decode import AudioError
+    from transcribe.ogg_end import ogg_cut_off
+
+    x = (np.random.default_rng(7).uniform(-0.3, 0.3, 6 * SR)).astype(np.float32)
+    for subtype in ("VORBIS", "OPUS"):
+        whole = tmp_path / f"{subtype}.ogg"
+        sf.write(whole, x, SR, format="OGG", subtype=subtype)
+        data = whole.read_bytes()
+        last_page = data.rfind(b"OggS")
+        cases = {"mid": data[: len(data) // 2], "between": data[:last_page], "zeros": data + bytes(100)}
+        for name, content in cases.items():
+            (tmp_path / f"{subtype}_{name}.ogg").write_bytes(content)
+        assert ogg_cut_off(whole) is None and ogg_cut_off(tmp_path / f"{subtype}_zeros.ogg") is None
+        for name in ("", "_zeros"):
+            with AudioStream(tmp_path / f"{subtype}{name}.ogg", SR) as stream:
+                assert sum(b.shape[0] for b in stream.blocks()) == x.shape[0]
+        with pytest.raises(AudioError, match=rf"{subtype}_mid\.ogg: truncated: the file ends inside an Ogg page"):
+            AudioStream(tmp_path / f"{subtype}_mid.ogg", SR)
+        with pytest.raises(AudioError, match=rf"{subtype}_between\.ogg: truncated: the Ogg stream has no end page"):
+            AudioStream(tmp_path / f"{subtype}_between.ogg", SR)
+
+
 def test_mp3s_joined_end_to_end_are_read_whole(tmp_path, monkeypatch):
     """`cat a.mp3 b.mp3` keeps a's Xing header, and libsndfile stopped where its frame count
     ends: b's audio was dropped without a word. A file holding more MPEG bytes than that header

@@ -20,6 +20,7 @@ import soxr
 
 # _check_path / _open_error: the same file checks and libsndfile messages as load_audio.
 from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error, sndfile_path
+from transcribe.ogg_end import ogg_cut_off
 
 AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
@@ -63,10 +64,16 @@ class AudioStream:
         self.samples = 0
         use_av = self.path.suffix.lower() in AV_EXTENSIONS
         self._source = _AvSource(self.path) if use_av else _SoundfileSource(self.path)
-        if isinstance(self._source, _SoundfileSource) and self._source.chained:
+        libsndfile = isinstance(self._source, _SoundfileSource)
+        # before `chained`: libsndfile logs junk after the last page for a cut-off file too
+        cut = libsndfile and self._source.format == "OGG" and ogg_cut_off(self.path)
+        if cut:
+            self._source.close()
+            raise AudioError(self.path, f"truncated: {cut}")
+        if libsndfile and self._source.chained:
             self._source.close()
             self._source = _AvSource(self.path, "a chained Ogg stream (several joined)")
-        elif isinstance(self._source, _SoundfileSource) and self._source.format == "MP3":
+        elif libsndfile and self._source.format == "MP3":
             joined = joined_mp3(self.path)
             if joined is not None:
                 declared, held = joined

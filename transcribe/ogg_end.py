@@ -1,0 +1,89 @@
+"""Whether an Ogg file (Vorbis, Opus, FLAC in Ogg) was cut off.
+
+libsndfile takes an Ogg file's length from the granule position of its last whole page and
+decodes up to it without complaint, so a half-copied file or a recording whose writer died
+decodes as a shorter whole file, and was transcribed "ok". Ogg itself says where a stream
+ends: pages carry their own length, and a stream's last page is flagged end-of-stream (EOS).
+So a file whose last page is incomplete, or complete but without the flag, was cut off.
+
+Only the end of the file is read (two pages at most, ~128 KiB). A page is trusted as the
+start of the walk only if its CRC checks, so an "OggS" inside packet data cannot start one;
+each next page must start exactly where the one before ends. Anything that does not parse
+that way (trailing bytes of another kind, say) gives no verdict: the file is read as before.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+_HEADER = 27  # bytes before the segment table
+_MAX_PAGE = _HEADER + 255 + 255 * 255
+_EOS = 0x04
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        r = i << 24
+        for _ in range(8):
+            r = ((r << 1) ^ 0x04C11DB7) if r & 0x80000000 else r << 1
+        table.append(r & 0xFFFFFFFF)
+    return table
+
+
+_TABLE = _crc_table()
+
+
+def _crc_ok(page: bytes) -> bool:
+    """Ogg's CRC-32 (polynomial 0x04C11DB7, MSB first, no reflection) over the page with its
+    checksum field zeroed equals that field."""
+    crc = 0
+    for b in page[:22] + b"\0\0\0\0" + page[26:]:
+        crc = ((crc << 8) & 0xFFFFFFFF) ^ _TABLE[(crc >> 24) ^ b]
+    return crc == int.from_bytes(page[22:26], "little")
+
+
+def _page_end(buf: bytes, at: int) -> int | None:
+    """Where the page starting at `at` ends (may be past the buffer); None if even its header
+    and segment table are not all there."""
+    if at + _HEADER > len(buf):
+        return None
+    segments = buf[at + 26]
+    if at + _HEADER + segments > len(buf):
+        return None
+    return at + _HEADER + segments + sum(buf[at + _HEADER: at + _HEADER + segments])
+
+
+_NO_SYNC = object()
+
+
+def _walk(buf: bytes, at: int) -> str | None | object:
+    """Pages from `at` to the end: None (the last one is whole and ends its stream), why it
+    was cut off, or _NO_SYNC (`at` is no page start)."""
+    first = True
+    while True:
+        end = _page_end(buf, at)
+        if end is None or end > len(buf):
+            return _NO_SYNC if first else "the file ends inside an Ogg page (cut off)"
+        if first and (buf[at + 4] != 0 or not _crc_ok(buf[at:end])):
+            return _NO_SYNC
+        first = False
+        if end == len(buf):
+            return None if buf[at + 5] & _EOS else "the Ogg stream has no end page (cut off between pages)"
+        if buf[end:end + 4] != b"OggS":
+            return _NO_SYNC
+        at = end
+
+
+def ogg_cut_off(path: str | Path) -> str | None:
+    """Why the Ogg file at `path` looks cut off, or None (whole, or no verdict)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - 2 * _MAX_PAGE))
+        buf = f.read()
+    at = buf.find(b"OggS")
+    while at != -1:
+        verdict = _walk(buf, at)
+        if verdict is not _NO_SYNC:
+            return verdict
+        at = buf.find(b"OggS", at + 1)
+    return None
