@@ -168,6 +168,15 @@ def test_json_carries_the_language_and_a_stitched_file_takes_its_main_one():
     assert joined.language == "en" and joined.words[0].start == 20.0
     assert '"language": "en"' in write_json(joined)
     assert "language" not in write_json(Result("parakeet text"))
+    # The detection's probability: the surest piece in the file's language, not the first
+    # piece's (a tune detected as Romanian at 0.64 before English speech at 0.97).
+    tune = Result("Muzica", language="ro", language_probability=0.64)
+    speech = [Result("Ask not what your country can do for you,", language="en", language_probability=0.97),
+              Result("ask what you can do for your country.", language="en")]  # decoded in it, not asked
+    joined = stitch([tune, *speech], [0.0, 25.0, 30.0])
+    assert joined.language == "en" and joined.language_probability == 0.97
+    assert json.loads(write_json(joined))["language_probability"] == 0.97
+    assert "language_probability" not in write_json(Result("Given.", language="en"))
 
 
 def test_cli_language_auto_writes_each_files_language(tmp_path):
@@ -253,6 +262,7 @@ def test_cli_language_auto_is_not_decided_by_a_tune_before_the_speech(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads((tmp_path / "out" / "tune_jfk.json").read_text())
     assert out["language"] == "en" and "ask not what your country can do for you" in out["text"], out["text"]
+    assert out["language_probability"] >= 0.8  # the sure piece that decided it, not the tune's
 
 
 def test_language_names_read_as_codes():

@@ -32,13 +32,18 @@ def stitch(parts: list[Result], offsets: list[float], duration: float = math.inf
     if len(parts) == 1:
         return shift(parts[0], offsets[0], duration)
     moved = [shift(p, o, until) for p, o, until in zip(parts, offsets, [*offsets[1:], duration])]
+    language = main_language(moved)
     return replace(
         moved[0],
         text=" ".join(p.text.strip() for p in moved if p.text.strip()),
         words=[w for p in moved for w in p.words],
         segments=[s for p in moved for s in p.segments],
         tokens=[t for p in moved for t in p.tokens],
-        language=main_language(moved),
+        language=language,
+        # The surest detection of the file's language: the piece that decided it (the pieces
+        # decoded in it after that were not asked, file_language), not the first piece's.
+        language_probability=max((p.language_probability for p in moved
+                                  if p.language == language and p.language_probability is not None), default=None),
     )
 
 

@@ -39,6 +39,8 @@ def write_json(result) -> str:
     }
     if result.language is not None:
         doc["language"] = result.language
+    if result.language_probability is not None:  # detected (--language auto), not given
+        doc["language_probability"] = round(result.language_probability, 4)
     return json.dumps(doc, ensure_ascii=False, indent=1) + "\n"
 
 
