@@ -401,3 +401,44 @@ def test_stopping_tells_every_client_and_frees_every_slot(model, files):
     assert close_code == 1001
     assert server.scheduler.pool.free_slots == 1
     assert not server.scheduler.active and not server.scheduler.waiting
+
+
+def test_a_client_vanishing_while_its_backlog_is_decoded_frees_its_slot_at_once(model, files):
+    """A client that uploaded far ahead of the steps and sent "end" is not read again: its
+    handler waits for the final and cannot see it vanish, but the results sent after each
+    step can. Its stream ends at the first failed send, not after its whole backlog (up to
+    --max-backlog) has been decoded for nobody."""
+    import time
+
+    import numpy as np
+
+    audio = np.concatenate([f["samples"] for f in files] * 3)
+
+    async def scenario(server, host, port):
+        step, steps = server.scheduler.pool.step, []
+
+        def slow_step(chunks):  # a bigger model on a busy CPU
+            steps.append(time.monotonic())
+            time.sleep(0.05)
+            return step(chunks)
+
+        server.scheduler.pool.step = slow_step
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_hello("gone"))
+        for i in range(0, audio.shape[0], 8000):
+            writer.write(P.encode(P.audio_message(audio[i:i + 8000])))
+        writer.write(P.encode({"type": "end"}))
+        while "gone" not in server.scheduler.active or not server.scheduler.active["gone"].ended:
+            await asyncio.sleep(0.01)  # until the server has read the "end"
+        gone_at = time.monotonic()
+        writer.transport.abort()
+        for _ in range(200):
+            if server.scheduler.pool.free_slots == 1:
+                break
+            await asyncio.sleep(0.02)
+        after = [t for t in steps if t > gone_at]
+        total = sum(1 for _ in range(0, audio.shape[0], 16000))  # about a step a second of audio
+        return len(after), total
+
+    after, total = _run(model, ServerConfig(port=0, max_streams=1, max_backlog_s=30.0), scenario)
+    assert total > 50 and after <= 3, (after, total)  # before: the 30 s backlog's steps (27)

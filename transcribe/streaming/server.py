@@ -334,8 +334,10 @@ class StreamServer:
         try:
             while (msg := await client.out.get()) is not None:
                 await asyncio.wait_for(client.transport.send(msg), self.cfg.send_timeout_s)
-        except ConnectionError:  # the client is gone; the handler sees it on its next receive
-            log.info("client stopped reading")
+        except ConnectionError:  # the client is gone: its stream ends now, its slot is freed
+            # (its handler may not read again for a while: it waits while a backlog is decoded)
+            log.info("client gone: a send failed")
+            self._drop(client)
         except asyncio.TimeoutError:
             log.warning("dropping slow client %s: a send blocked for %s s",
                         client.session and client.session.stream_id, self.cfg.send_timeout_s)
