@@ -269,8 +269,8 @@ class WhisperEngine:
                       continuations: int) -> None:
         """Decode, in one more batch, what each piece has after the point its text `reached`
         when that is at least TAIL_SECONDS of sound, and append it (times shifted to the
-        piece). The features are sliced there (100 frames a second), as OpenAI slices its mel
-        at the seek point."""
+        piece, whose own times end where it begins). The features are sliced there (100
+        frames a second), as OpenAI slices its mel at the seek point."""
         tails, where = [], []
         for i, end in reached.items():
             if frames_to_seconds(features[i].shape[1]) - end < TAIL_SECONDS:
@@ -284,7 +284,12 @@ class WhisperEngine:
         for (i, end), more in zip(where, decoded):
             if more.text:
                 more = shift(more, end)
-                r = out[i]
+                # The tail starts at the last timestamp, but word times may have moved the piece's
+                # segments past it (a tune's 0-2 s segment went to 15.4 s, before a tail from 2 s):
+                # the piece's times end where its tail begins, as a piece's end where the next
+                # begins (`stitch`), so times stay in order. OpenAI seeks to the last word's end
+                # instead, which would make the text depend on the word times.
+                r = shift(out[i], 0.0, until=end)
                 out[i] = Result(text=f"{r.text} {more.text}", words=r.words + more.words,
                                 segments=r.segments + more.segments, tokens=r.tokens + more.tokens,
                                 language=r.language, language_probability=r.language_probability)

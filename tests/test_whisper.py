@@ -219,3 +219,36 @@ def test_a_window_whose_text_stops_short_is_decoded_on_from_where_it_stopped():
         texts[words] = engine.transcribe_features(features)[0].text
         assert engine.transcribe_features(features, continuations=0)[0].text.lower().rstrip(".").endswith("shopboy")
     assert texts[False] == texts[True] and texts[True].lower().endswith("you thought me so silly.")
+
+
+def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
+    """25 s of a tune, then JFK, in Romanian: base wrote <|0.00|> Muzica<|2.00|> for the tune's
+    first piece (16.8 s), and the word alignment put "Muzica" at 15.36-16.76 s; the tail, decoded
+    from the last timestamp (2 s, so the text does not depend on word times), came after it in
+    the file at 2.0-9.16 s. The piece's times now end where its tail begins, as a piece's end
+    where the next piece begins (`stitching.stitch`). Constructed decoder output, no model."""
+    from types import SimpleNamespace
+
+    from engines.stage_times import StageTimes
+    from engines.whisper_decoding import WindowResult
+    from engines.whisper_engine import WhisperEngine
+
+    tok = SimpleNamespace(eot=50257, timestamp_begin=50364)
+    ts = lambda s: tok.timestamp_begin + round(s / 0.02)  # noqa: E731
+
+    def window(tokens, words, no_speech=0.3):
+        text = " ".join(w for _, _, w, _ in words)
+        return WindowResult(text, ((words[0][0], words[-1][1], text),), tuple(tokens), -0.5, no_speech, 1.0,
+                            False, words=tuple(words))
+
+    decoded = iter([window([ts(0.0), 100, ts(2.0)], [(15.36, 16.76, "Muzica", 0.4)]),  # the piece, then its tail
+                    window([ts(0.0), 101, 102, ts(14.0)], [(0.0, 0.38, "Bă,", 0.3), (0.38, 7.16, "bă.", 0.3)])])
+    decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
+                              stage_seconds=StageTimes("cpu"),
+                              decode=lambda mel, frames, words, languages: [next(decoded) for _ in frames])
+    engine = WhisperEngine(decoder)
+    out = engine.transcribe_features([torch.zeros(80, 1679)])[0]  # 16.77 s of sound (log-mel 0)
+    assert out.text == "Muzica Bă, bă."  # the tail, from 2 s, is appended
+    assert [(s.start, s.end) for s in out.segments] == [(2.0, 2.0), (2.0, 9.16)]
+    assert [(w.word, w.start, w.end) for w in out.words] == [("Muzica", 2.0, 2.0), ("Bă,", 2.0, 2.38),
+                                                             ("bă.", 2.38, 9.16)]
