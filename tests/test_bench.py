@@ -61,3 +61,27 @@ def test_edit_distance_counts_insertions_deletions_substitutions():
     assert edit_distance([], [1, 2]) == 2 and edit_distance([1, 2], []) == 2
     assert edit_distance([5, 6, 7], [5, 6, 7]) == 0
     assert edit_distance("the cat sat".split(), "the cat sat down".split()) == 1
+
+
+def _report(texts: dict, references: dict, failed: int):
+    from types import SimpleNamespace
+
+    from transcribe.bench import build_report
+
+    stats = SimpleNamespace(texts=texts, stage_seconds={}, audio_seconds=10.0, files_ok=len(texts),
+                            files_failed=failed, wall_seconds=1.0, rtfx=10.0, padding_fraction=0.0)
+    files = [SimpleNamespace(key=k, reference=r) for k, r in references.items()]
+    return build_report(stats, files, "m", "cpu", 0.5, 2.0)
+
+
+def test_a_failed_files_reference_counts_as_deletions_and_the_summary_says_it_failed():
+    """A file that fails has no hypothesis: its reference words are all deletions (as sclite
+    scores a missing hypothesis), so failing hard files cannot lower the WER; and the summary
+    line says how many failed, where it only counted files."""
+    from transcribe.bench import summary_line
+
+    r = _report({"a": "the cat sat"}, {"a": "the cat sat", "b": "one more word here"}, failed=1)
+    assert r["files"] == 2 and r["files_failed"] == 1
+    assert abs(r["wer"] - 4 / 7) < 1e-9
+    assert "2 files (1 failed)," in summary_line(r)
+    assert "failed" not in summary_line(_report({"a": "x"}, {"a": "x"}, failed=0))

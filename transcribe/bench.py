@@ -131,7 +131,9 @@ def write_report(report: dict, path: Path) -> None:
 def summary_line(report: dict) -> str:
     w = report["wer"]
     wer_s = f", WER {100 * w:.2f}%" if w is not None else ""
+    failed = report.get("files_failed") or 0  # a run whose files failed is no measurement of the model
+    failed_s = f" ({failed} failed)" if failed else ""
     return (
-        f"{report['model']}: {report['files']} files, {report['audio_seconds'] / 3600:.3f} h audio in "
+        f"{report['model']}: {report['files']} files{failed_s}, {report['audio_seconds'] / 3600:.3f} h audio in "
         f"{report['wall_seconds']:.2f} s, RTFx {report['rtfx']:.1f} (steady {report['rtfx_steady']:.1f}){wer_s}"
     )
