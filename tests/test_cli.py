@@ -420,3 +420,21 @@ def test_the_main_help_names_every_other_command():
     assert p.returncode == 0
     text = " ".join(p.stdout.split())
     assert all(f"transcribe {n}" in text for n in names), (names, text)
+
+
+def test_usage_lines_read_as_the_readme_and_every_option_says_what_it_does():
+    """The usage lines said `{inputs}...` (typer's required-argument braces, the parameter's
+    name); bench's --device and --batch-seconds and serve's --host and --port had no help."""
+    import typer
+
+    from transcribe.cli import main_app, sub_app
+
+    for args, usage in ((["--help"], "Usage: transcribe [OPTIONS] INPUT..."),
+                        (["bench", "--help"], "Usage: transcribe bench [OPTIONS] INPUT..."),
+                        (["merge", "--help"], "Usage: transcribe merge [OPTIONS] SHARD_OUT_DIR..."),
+                        (["stream", "--help"], "Usage: transcribe stream [OPTIONS] FILE")):
+        p = run_cli(*args)
+        assert p.returncode == 0 and usage in p.stdout and "{" not in p.stdout.split("\n", 3)[1], p.stdout
+    commands = [typer.main.get_command(main_app)] + list(typer.main.get_command(sub_app).commands.values())
+    undocumented = [f"{c.name} {p.opts[0]}" for c in commands for p in c.params if not p.help]
+    assert not undocumented, undocumented

@@ -22,8 +22,22 @@ EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE, EXIT_SOME_FAILED = 0, 1, 2, 3
 
 SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
 
-main_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-sub_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+
+class _Command(typer.core.TyperCommand):
+    """Newer typer (0.29 here) writes a required argument in the usage line as `{INPUT}...`;
+    ours reads as the README's synopsis and click's usual form, `transcribe [OPTIONS] INPUT...`."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [re.sub(r"^\{(.*)\}", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
+class _Typer(typer.Typer):
+    def command(self, *args, **kwargs):
+        return super().command(*args, cls=_Command, **kwargs)
+
+
+main_app = _Typer(add_completion=False, pretty_exceptions_enable=False)
+sub_app = _Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
 WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
 BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
@@ -35,6 +49,8 @@ LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de
                  "or auto to detect it once per file, from its first piece with speech. Parakeet models take none.")
 TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
+DEVICE_HELP = "auto, cpu, cuda or cuda:N (auto: cuda when available)."
+BATCH_SECONDS_HELP = "Padded audio seconds per model batch (a batch out of memory runs again in halves)."
 MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
 
 
@@ -183,14 +199,14 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     "`transcribe export-engine` (TensorRT)."
 )
 def transcribe(
-    inputs: List[str] = typer.Argument(..., help="Audio files, directories or .jsonl manifests."),
+    inputs: List[str] = typer.Argument(..., metavar="INPUT", help="Audio files, directories or .jsonl manifests."),
     out: Path = typer.Option(Path("transcripts"), "--out", "-o", help="Output directory."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     fmt: str = typer.Option("txt,json", "--format", "-f", help="Comma list of txt,json,srt,vtt (or all)."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help="Padded audio seconds per batch."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help=BATCH_SECONDS_HELP),
     force: bool = typer.Option(False, "--force", help="Redo files already transcribed in --out."),
-    shard_spec: Optional[str] = typer.Option(None, "--shard", help="Only shard I of N (I/N), for array jobs."),
+    shard_spec: Optional[str] = typer.Option(None, "--shard", help="Only shard I of N (I/N, I from 1 to N), for array jobs."),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Progress bar (default: on a terminal)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
     encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
@@ -231,11 +247,12 @@ def transcribe(
 
 @sub_app.command(help="Transcribe INPUTs and report RTFx, per-stage time, peak memory and WER (when references exist).")
 def bench(
-    inputs: List[str] = typer.Argument(..., help="Audio files, directories or .jsonl manifests (with `text` for WER)."),
+    inputs: List[str] = typer.Argument(..., metavar="INPUT",
+                                       help="Audio files, directories or .jsonl manifests (with `text` for WER)."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
-    device: str = typer.Option("auto", "--device"),
-    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
+    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help=BATCH_SECONDS_HELP),
     out: Optional[Path] = typer.Option(None, "--out", help="Keep transcripts here (default: a temporary folder)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
     encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
@@ -268,7 +285,7 @@ def bench(
                  "Only results.jsonl is merged: each shard's transcript files stay in its own folder. A file "
                  "listed by several shards keeps one line (an ok line over an error line, else the last).")
 def merge(
-    shard_dirs: List[Path] = typer.Argument(..., help="The --out folders of the shard runs."),
+    shard_dirs: List[Path] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
 ) -> None:
     from transcribe.inputs import record_key
@@ -327,7 +344,7 @@ def _interruptible(job, then: str = "run the same command again to resume"):
 
 @sub_app.command(help="Stream one audio file through a streaming model, printing the transcript as it grows (segments, partials, final).")
 def stream(
-    path: Path = typer.Argument(..., help="Audio file."),
+    path: Path = typer.Argument(..., metavar="FILE", help="Audio file."),
     model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),
     realtime: bool = typer.Option(False, "--realtime", help="Feed audio at real-time pace (else as fast as possible)."),
     piece_ms: int = typer.Option(100, "--piece-ms", min=10, help="Audio per feed (ms)."),
@@ -355,8 +372,8 @@ def stream(
 @sub_app.command(help="Serve streaming transcription over TCP (newline-delimited JSON) and optionally WebSocket (--ws-port); protocol in transcribe/streaming/protocol.py.")
 def serve(
     model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8765, "--port", min=0, max=65535),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8765, "--port", min=0, max=65535, help="TCP port (0: any free one, logged)."),
     max_streams: int = typer.Option(16, "--max-streams", min=1, help="Cache slots: streams decoded at once."),
     max_waiting: int = typer.Option(64, "--max-waiting", min=0, help="Clients queued for a slot before 'busy'."),
     idle_timeout_s: float = typer.Option(15.0, "--idle-timeout", min=0.1, help="Drop a silent client after this many seconds."),
@@ -365,7 +382,7 @@ def serve(
     chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (auto: cuda when available)."),
+    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
 ) -> None:
     from engines.loader import OptionError
