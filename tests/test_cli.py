@@ -438,3 +438,10 @@ def test_usage_lines_read_as_the_readme_and_every_option_says_what_it_does():
     commands = [typer.main.get_command(main_app)] + list(typer.main.get_command(sub_app).commands.values())
     undocumented = [f"{c.name} {p.opts[0]}" for c in commands for p in c.params if not p.help]
     assert not undocumented, undocumented
+
+
+def test_python_dash_m_transcribe_is_the_command():
+    """`python -m transcribe` said "'transcribe' is a package and cannot be directly executed"."""
+    p = subprocess.run([sys.executable, "-m", "transcribe", "bench", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0 and "Usage: transcribe bench" in p.stdout, p.stderr
