@@ -1,4 +1,5 @@
-"""The command line: `transcribe INPUT...` and its subcommands (`bench`, `merge`, `models`).
+"""The command line: `transcribe INPUT...` and its subcommands (`bench`, `merge`, `models`,
+`stream`, `serve`, `export-engine`); `python -m transcribe` is the same (`__main__.py`).
 
 Exit status (a contract other tools rely on): 0 every file transcribed; 3 some files failed
 (the rest are done, failures are in results.jsonl); 1 nothing could run (no model, no
