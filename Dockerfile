@@ -1,4 +1,4 @@
-# GPU image: CUDA runtime, PyTorch with CUDA, this package with the ONNX and cuda-python extras.
+# GPU image: CUDA runtime, PyTorch with CUDA, this package with the ONNX, cuda-python and av (PyAV: m4a, mp4, webm, ...) extras.
 # TensorRT is optional: build FROM an nvcr.io TensorRT image instead, or `pip install '.[tensorrt]'`
 # where its libraries can be fetched.
 # Run with room in /dev/shm (Docker's default is 64 MB; the workers hand features over through it):
@@ -18,7 +18,7 @@ COPY pyproject.toml README.md ./
 COPY transcribe/__init__.py transcribe/__init__.py
 COPY engines/__init__.py engines/__init__.py
 RUN pip install torch --index-url https://download.pytorch.org/whl/cu128 \
- && pip install -e '.[onnx,cuda]'
+ && pip install -e '.[onnx,cuda,av]'
 COPY transcribe transcribe
 COPY engines engines
 
