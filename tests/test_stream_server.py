@@ -442,3 +442,40 @@ def test_a_client_vanishing_while_its_backlog_is_decoded_frees_its_slot_at_once(
 
     after, total = _run(model, ServerConfig(port=0, max_streams=1, max_backlog_s=30.0), scenario)
     assert total > 50 and after <= 3, (after, total)  # before: the 30 s backlog's steps (27)
+
+
+def test_a_failed_step_does_not_fail_a_new_stream_that_took_a_closed_ones_id(model, files):
+    """A client gone while its step runs frees its stream id; one reconnecting under that id
+    before the step fails is a new stream that was not in the step: it is not told "internal"
+    (the failed step's streams are matched by session, not by id)."""
+    import threading
+
+    audio = files[2]["samples"]
+
+    async def scenario(server, host, port):
+        step, started, release, calls = server.scheduler.pool.step, threading.Event(), threading.Event(), []
+
+        def failing_first(chunks):
+            calls.append(len(chunks))
+            if len(calls) == 1:
+                started.set()
+                release.wait(10.0)
+                raise ValueError("a bug in the step")
+            return step(chunks)
+
+        server.scheduler.pool.step = failing_first
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_hello("x") + P.encode(P.audio_message(audio[:48000])))
+        await writer.drain()
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        writer.transport.abort()  # gone while its step runs
+        while "x" in server.scheduler.active:
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().call_later(0.3, release.set)  # fails once "x" is back
+        return await stream_audio(host, port, "x", audio, realtime=False)
+
+    run = _run(model, ServerConfig(port=0, max_streams=2), scenario)
+    assert run.error is None, run.messages[-2:]
+    assert run.final["text"] == files[2]["offline_text"]
+

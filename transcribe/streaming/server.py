@@ -444,10 +444,11 @@ class StreamServer:
 
     def _fail(self, sessions: list[SessionBase], message: str) -> None:
         """The step's streams end with an "internal" error, but not one whose final was
-        already sent (a step can fail after delivering some of its results)."""
+        already sent (a step can fail after delivering some of its results), nor a new stream
+        that took the id of one closed while the step ran (a client reconnecting)."""
         for s in sessions:
             client = self._clients.get(s.stream_id)
-            if client is not None and not client.final.is_set():
+            if client is not None and client.session is s and not client.final.is_set():
                 self._drop(client, P.error_message("internal", message))
 
 
