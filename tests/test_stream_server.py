@@ -479,3 +479,35 @@ def test_a_failed_step_does_not_fail_a_new_stream_that_took_a_closed_ones_id(mod
     assert run.error is None, run.messages[-2:]
     assert run.final["text"] == files[2]["offline_text"]
 
+
+def test_stopping_just_after_a_final_sends_no_shutdown_after_it(model, files):
+    """A stream whose final is queued when the server stops ended well: it gets its final and
+    its connection closes, with no "shutdown" error after the final (as a failed step sends
+    no "internal" after one)."""
+    from transcribe.streaming.server import StreamServer
+
+    audio = files[0]["samples"][:32000]
+
+    async def main():
+        server = StreamServer(model, ServerConfig(port=0, max_streams=1))
+        host, port = await server.start()
+        deliver, stopping = server._deliver, []
+
+        def deliver_then_stop(updates):
+            updates = list(updates)
+            deliver(updates)
+            if any(u.final is not None for _, u in updates) and not stopping:
+                stopping.append(asyncio.ensure_future(server.stop()))  # SIGINT before the handler ran
+
+        server._deliver = deliver_then_stop
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(_hello("a") + P.encode(P.audio_message(audio)) + P.encode({"type": "end"}))
+        await writer.drain()
+        msgs = [json.loads(line) for line in (await asyncio.wait_for(reader.read(), 10.0)).splitlines()]
+        writer.close()
+        await stopping[0]
+        return server, msgs
+
+    server, msgs = asyncio.run(main())
+    assert msgs[-1]["type"] == "final", [m["type"] for m in msgs]
+    assert server.scheduler.pool.free_slots == 1

@@ -178,9 +178,9 @@ class StreamServer:
         self.ws_address = self._ws_server.sockets[0].getsockname()[:2]
 
     async def stop(self) -> None:
-        """Stop listening, end every stream with an error saying why ("shutdown", or
-        "internal" when the engine died), flush it and close each connection cleanly
-        (WebSocket: 1001, going away), freeing the slots; then let every handler return.
+        """Stop listening, end every unfinished stream with an error saying why ("shutdown",
+        or "internal" when the engine died; none after a final already queued), flush it and
+        close each connection cleanly (WebSocket: 1001, going away), freeing the slots; then let every handler return.
         Cancelling the handlers instead makes asyncio's TCP callback log a CancelledError
         traceback (Python 3.11): only one still running after 5 s is."""
         self._stopping = True
@@ -355,9 +355,11 @@ class StreamServer:
     def _drop(self, client: _Client, goodbye: dict | None = None) -> None:
         """End the client's stream now and free its slot: its connection aborted (a slow or
         vanished client), or, given `goodbye`, that message queued for the handler to flush
-        before it closes the connection. Whatever the handler awaits ends."""
+        before it closes the connection (not after a final already queued: that stream ended
+        well). Whatever the handler awaits ends."""
         if not client.dropped:
-            if goodbye is not None:
+            # A stream whose final is queued is over: the goodbye would follow its final
+            if goodbye is not None and not client.final.is_set():
                 self._send(client, goodbye)  # a full queue aborts the client here instead
             client.dropped = True
             client.ended.set()
