@@ -275,14 +275,40 @@ def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypat
         assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
 
 
+def _ogg_pages(data: bytes) -> list[bytearray]:
+    pages, at = [], 0
+    while at < len(data):
+        n = data[at + 26]
+        end = at + 27 + n + sum(data[at + 27: at + 27 + n])
+        pages.append(bytearray(data[at:end]))
+        at = end
+    return pages
+
+
+def _opus_samples(page: bytes) -> int:
+    """48 kHz samples in the page's Opus packets (RFC 6716's TOC byte; none continued)."""
+    n, total, at, size = page[26], 0, 27 + page[26], 0
+    for lacing in page[27: 27 + n]:
+        size += lacing
+        if lacing < 255:
+            toc, config = page[at], page[at] >> 3
+            ms = ([10, 20, 40, 60][config % 4] if config < 12 else [10, 20][config % 2] if config < 16
+                  else [2.5, 5, 10, 20][config % 4])
+            frames = 1 if toc & 3 == 0 else 2 if toc & 3 < 3 else page[at + 1] & 0x3F
+            total += int(48 * ms * frames)
+            at, size = at + size, 0
+    return total
+
+
 def test_a_cut_off_ogg_fails_naming_why(tmp_path):
     """libsndfile decodes a cut-off Ogg file to its last whole page without complaint (a
     half-copied Opus file was transcribed "ok"; one cut off mid-page even went to PyAV as a
-    "chained" stream). Ogg says where a stream ends: its last page is whole and flagged
-    end-of-stream. Whole files, and one with bytes of another kind after its last page, read
-    as before."""
+    "chained" stream). Ogg pages carry their length: a last page that is not whole was cut
+    off. Whole files, one with bytes of another kind after its last page, and one whose last
+    page lacks the end-of-stream flag (as Android's MediaRecorder writes every Opus file),
+    read as before."""
     from transcribe.decode import AudioError
-    from transcribe.ogg_end import ogg_cut_off
+    from transcribe.ogg_end import _TABLE, _crc_ok, ogg_cut_off
 
     x = (np.random.default_rng(7).uniform(-0.3, 0.3, 6 * SR)).astype(np.float32)
     for subtype in ("VORBIS", "OPUS"):
@@ -299,8 +325,24 @@ def test_a_cut_off_ogg_fails_naming_why(tmp_path):
                 assert sum(b.shape[0] for b in stream.blocks()) == x.shape[0]
         with pytest.raises(AudioError, match=rf"{subtype}_mid\.ogg: truncated: the file ends inside an Ogg page"):
             AudioStream(tmp_path / f"{subtype}_mid.ogg", SR)
-        with pytest.raises(AudioError, match=rf"{subtype}_between\.ogg: truncated: the Ogg stream has no end page"):
-            AudioStream(tmp_path / f"{subtype}_between.ogg", SR)
+        # Cut exactly between pages: no sign of it (the whole file below looks the same)
+        assert ogg_cut_off(tmp_path / f"{subtype}_between.ogg") is None
+    # AOSP's OggWriter: granule positions count the samples, and no page is flagged
+    # end-of-stream. The file is whole: libsndfile decodes all of it.
+    pages = _ogg_pages((tmp_path / "OPUS.ogg").read_bytes())
+    last = pages[-1]
+    granule = int.from_bytes(pages[-2][6:14], "little") + _opus_samples(last)
+    last[6:14], last[5] = granule.to_bytes(8, "little"), last[5] & ~0x04
+    crc = 0
+    for b in bytes(last[:22]) + bytes(4) + bytes(last[26:]):  # Ogg's CRC-32, as ogg_end checks it
+        crc = ((crc << 8) & 0xFFFFFFFF) ^ _TABLE[(crc >> 24) ^ b]
+    last[22:26] = crc.to_bytes(4, "little")
+    assert _crc_ok(bytes(last))
+    android = tmp_path / "android.ogg"
+    android.write_bytes(b"".join(pages))
+    assert ogg_cut_off(android) is None
+    with AudioStream(android, SR) as stream:
+        assert sum(b.shape[0] for b in stream.blocks()) >= x.shape[0]
 
 
 def test_mp3s_joined_end_to_end_are_read_whole(tmp_path, monkeypatch):

@@ -2,9 +2,14 @@
 
 libsndfile takes an Ogg file's length from the granule position of its last whole page and
 decodes up to it without complaint, so a half-copied file or a recording whose writer died
-decodes as a shorter whole file, and was transcribed "ok". Ogg itself says where a stream
-ends: pages carry their own length, and a stream's last page is flagged end-of-stream (EOS).
-So a file whose last page is incomplete, or complete but without the flag, was cut off.
+decodes as a shorter whole file, and was transcribed "ok". Ogg pages carry their own
+length, so a file whose last page is incomplete was cut off.
+
+A last page that is whole but not flagged end-of-stream (EOS) is no verdict: the spec asks
+for the flag, but real writers leave it out of whole files. Android's MediaRecorder
+(AOSP OggWriter, the OGG output format) never sets it, so every Opus recording it makes
+would fail; and a cut that falls exactly between pages is rare (a copy stops at a buffer's
+size, not a page's end).
 
 Only the end of the file is read (two pages at most, ~128 KiB). A page is trusted as the
 start of the walk only if its CRC checks, so an "OggS" inside packet data cannot start one;
@@ -17,7 +22,6 @@ from pathlib import Path
 
 _HEADER = 27  # bytes before the segment table
 _MAX_PAGE = _HEADER + 255 + 255 * 255
-_EOS = 0x04
 
 
 def _crc_table() -> list[int]:
@@ -57,8 +61,8 @@ _NO_SYNC = object()
 
 
 def _walk(buf: bytes, at: int) -> str | None | object:
-    """Pages from `at` to the end: None (the last one is whole and ends its stream), why it
-    was cut off, or _NO_SYNC (`at` is no page start)."""
+    """Pages from `at` to the end: None (the last one is whole), why it was cut off, or
+    _NO_SYNC (`at` is no page start)."""
     first = True
     while True:
         end = _page_end(buf, at)
@@ -68,7 +72,7 @@ def _walk(buf: bytes, at: int) -> str | None | object:
             return _NO_SYNC
         first = False
         if end == len(buf):
-            return None if buf[at + 5] & _EOS else "the Ogg stream has no end page (cut off between pages)"
+            return None  # with or without the EOS flag (see the module's docstring)
         if buf[end:end + 4] != b"OggS":
             return _NO_SYNC
         at = end
