@@ -62,28 +62,7 @@ class AudioStream:
         self.min_samples = min_samples
         self.span = span  # (start s, length s or None: to the end): a segment of the file
         self.samples = 0
-        use_av = self.path.suffix.lower() in AV_EXTENSIONS
-        self._source = _AvSource(self.path) if use_av else _SoundfileSource(self.path)
-        libsndfile = isinstance(self._source, _SoundfileSource)
-        # before `chained`: libsndfile logs junk after the last page for a cut-off file too
-        cut = libsndfile and self._source.format == "OGG" and ogg_cut_off(self.path)
-        if cut:
-            self._source.close()
-            raise AudioError(self.path, f"truncated: {cut}")
-        if libsndfile and self._source.chained:
-            self._source.close()
-            self._source = _AvSource(self.path, "a chained Ogg stream (several joined)")
-        elif libsndfile and self._source.format == "MP3":
-            joined = joined_mp3(self.path)
-            if joined is not None:
-                declared, held = joined
-                first = self._source.frames
-                self._source.close()
-                self._source = _AvSource(self.path, "MP3s joined end to end (the first one's Xing header "
-                                                    f"declares {declared} of the file's {held} MPEG bytes)")
-                # FFmpeg's length, too, comes from that header: scale it to the bytes held (the
-                # hang timeout allows for this length).
-                self._source.frames = max(self._source.frames, round(first * held / declared))
+        self._source = self._open_source()
         rate, channels = self._source.rate, self._source.channels
         reason = None
         if not MIN_RATE <= rate <= MAX_RATE:
@@ -97,6 +76,39 @@ class AudioStream:
         if span is not None:
             start, length = span
             self.duration = max(0.0, min(self.duration - start, length if length is not None else math.inf))
+
+    def _open_source(self) -> "_SoundfileSource | _AvSource":
+        """libsndfile, or PyAV for containers it cannot read and for files it would read only
+        in part; AudioError for a cut-off Ogg. A libsndfile handle is closed on any error:
+        workers are long-lived."""
+        if self.path.suffix.lower() in AV_EXTENSIONS:
+            return _AvSource(self.path)
+        source = _SoundfileSource(self.path)
+        try:
+            # before `chained`: libsndfile logs junk after the last page for a cut-off file too
+            cut = source.format == "OGG" and ogg_cut_off(self.path)
+            if cut:
+                raise AudioError(self.path, f"truncated: {cut}")
+            if source.chained:
+                source.close()
+                return _AvSource(self.path, "a chained Ogg stream (several joined)")
+            joined = joined_mp3(self.path) if source.format == "MP3" else None
+            if joined is None:
+                return source
+            declared, held = joined
+            source.close()
+            av = _AvSource(self.path, "MP3s joined end to end (the first one's Xing header "
+                                      f"declares {declared} of the file's {held} MPEG bytes)")
+            # FFmpeg's length, too, comes from that header: scale it to the bytes held (the
+            # hang timeout allows for this length).
+            av.frames = max(av.frames, round(source.frames * held / declared))
+            return av
+        except OSError as e:  # reading the file's end or head for the checks above
+            source.close()
+            raise AudioError(self.path, f"cannot read: {e}") from e
+        except BaseException:
+            source.close()
+            raise
 
     @property
     def timeout_seconds(self) -> float:

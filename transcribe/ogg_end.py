@@ -37,13 +37,17 @@ def _crc_table() -> list[int]:
 _TABLE = _crc_table()
 
 
-def _crc_ok(page: bytes) -> bool:
-    """Ogg's CRC-32 (polynomial 0x04C11DB7, MSB first, no reflection) over the page with its
-    checksum field zeroed equals that field."""
-    crc = 0
+def crc(page: bytes) -> int:
+    """Ogg's CRC-32 (polynomial 0x04C11DB7, MSB first, no reflection) of a page, taken with
+    its checksum field zeroed."""
+    value = 0
     for b in page[:22] + b"\0\0\0\0" + page[26:]:
-        crc = ((crc << 8) & 0xFFFFFFFF) ^ _TABLE[(crc >> 24) ^ b]
-    return crc == int.from_bytes(page[22:26], "little")
+        value = ((value << 8) & 0xFFFFFFFF) ^ _TABLE[(value >> 24) ^ b]
+    return value
+
+
+def _crc_ok(page: bytes) -> bool:
+    return crc(page) == int.from_bytes(page[22:26], "little")
 
 
 def _page_end(buf: bytes, at: int) -> int | None:
@@ -61,8 +65,8 @@ _NO_SYNC = object()
 
 
 def _walk(buf: bytes, at: int) -> str | None | object:
-    """Pages from `at` to the end: None (the last one is whole), why it was cut off, or
-    _NO_SYNC (`at` is no page start)."""
+    """Pages from `at` to the end: None (the last one is whole, or other bytes follow it),
+    why it was cut off, or _NO_SYNC (`at` is no page start)."""
     first = True
     while True:
         end = _page_end(buf, at)
@@ -74,7 +78,9 @@ def _walk(buf: bytes, at: int) -> str | None | object:
         if end == len(buf):
             return None  # with or without the EOS flag (see the module's docstring)
         if buf[end:end + 4] != b"OggS":
-            return _NO_SYNC
+            # after a page whose CRC checks: bytes of another kind follow the last page (no
+            # verdict, and no search from every later "OggS", which is quadratic in pages)
+            return None
         at = end
 
 
