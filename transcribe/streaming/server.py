@@ -180,9 +180,9 @@ class StreamServer:
     async def stop(self) -> None:
         """Stop listening, end every unfinished stream with an error saying why ("shutdown",
         or "internal" when the engine died; none after a final already queued), flush it and
-        close each connection cleanly (WebSocket: 1001, going away), freeing the slots; then let every handler return.
-        Cancelling the handlers instead makes asyncio's TCP callback log a CancelledError
-        traceback (Python 3.11): only one still running after 5 s is."""
+        close each connection cleanly (WebSocket: 1001, going away), freeing the slots; then
+        let every handler return. Cancelling the handlers instead makes asyncio's TCP callback
+        log a CancelledError traceback (Python 3.11): only one still running after 5 s is."""
         self._stopping = True
         if self._server is not None:
             self._server.close()
@@ -477,7 +477,8 @@ async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
         for w in waits:
             w.cancel()
         await server.stop()
-    return 128 + int(got[0]) if got else 1
+    # the engine's failure wins over a signal that came while the server was stopping for it
+    return 1 if server.engine_failure is not None else 128 + int(got[0])
 
 
 def _hostport(host: str) -> str:
