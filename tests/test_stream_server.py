@@ -511,3 +511,38 @@ def test_stopping_just_after_a_final_sends_no_shutdown_after_it(model, files):
     server, msgs = asyncio.run(main())
     assert msgs[-1]["type"] == "final", [m["type"] for m in msgs]
     assert server.scheduler.pool.free_slots == 1
+
+
+def test_a_stream_whose_own_chunking_raises_fails_alone(model, files, monkeypatch):
+    """A bug tripped by one stream's audio while its chunk is cut (outside the batched step)
+    ends that stream with "internal"; it stopped the whole server. The stream beside it
+    ends well, and `run_once` (`transcribe stream`) raises the error instead of looping."""
+    import pytest
+
+    from transcribe.streaming.scheduler import Scheduler, SchedulerConfig
+    from transcribe.streaming.session import SessionState, StreamSession
+
+    next_chunk = StreamSession.next_chunk
+
+    def buggy(self):
+        if self.stream_id == "bad" and self.audio_seconds > 1.0:
+            raise ZeroDivisionError("a bug on this stream's audio")
+        return next_chunk(self)
+
+    monkeypatch.setattr(StreamSession, "next_chunk", buggy)
+    audio = files[2]["samples"]
+
+    async def scenario(server, host, port):
+        return await asyncio.gather(stream_audio(host, port, "bad", audio, piece_s=0.25, realtime=False),
+                                    stream_audio(host, port, "good", audio, piece_s=0.25, realtime=False))
+
+    bad, good = _run(model, ServerConfig(port=0, max_streams=2, final_timeout_s=3.0), scenario)
+    assert bad.error["code"] == "internal" and "ZeroDivisionError" in bad.error["message"], bad.messages[-1]
+    assert good.error is None and good.final["text"] == files[2]["offline_text"]
+
+    sched = Scheduler(model, SchedulerConfig(max_streams=1))
+    session = sched.open("bad")
+    session.push_audio(audio)
+    with pytest.raises(ZeroDivisionError):
+        sched.run_once()
+    assert session.state == SessionState.FAILED and sched.pool.free_slots == 1

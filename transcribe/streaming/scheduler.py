@@ -5,7 +5,10 @@ checkpoints) or `ChunkedStreamPool` (offline-trained ones, chunked with left/rig
 `collect` takes at most one ready chunk from every active stream (whatever its position) for
 one batched pool step; `apply` hands the step's tokens back to the sessions and turns them into
 transcript updates (committed segments, the open tail, the final: `transcript.py`); `close`
-returns a slot (finish, error or disconnect) and admits the next waiting stream. Not thread-safe: the server calls everything from its event loop except
+returns a slot (finish, error or disconnect) and admits the next waiting stream. A stream
+whose own chunking or final update raises is closed as failed and reported by `take_failed`,
+so one stream's bad audio ends that stream, not the step or the server.
+Not thread-safe: the server calls everything from its event loop except
 `StreamingModel.run` (pure compute on the pool), and slots closed while a step runs are
 released only after it (`begin_step` / `end_step`), so a step never writes a reused slot.
 """
@@ -143,6 +146,7 @@ class Scheduler:
         self._stepping = False
         self._deferred: list[int] = []
         self._admitted: list[SessionBase] = []  # WAITING -> ACTIVE since take_admitted()
+        self._failed: list[tuple[SessionBase, Exception]] = []  # closed by their own error (take_failed)
 
     def open(self, stream_id: str) -> SessionBase:
         """A new session, ACTIVE with a slot or WAITING in the queue; Busy if both are full;
@@ -196,10 +200,14 @@ class Scheduler:
         """At most one ready chunk per active stream, up to max_batch, oldest streams first."""
         limit = self.cfg.max_batch or self.cfg.max_streams
         sessions, chunks = [], []
-        for session in self.active.values():
+        for session in list(self.active.values()):
             if len(chunks) >= limit:
                 break
-            chunk = session.next_chunk()
+            try:
+                chunk = session.next_chunk()
+            except Exception as e:  # this stream's audio tripped a bug: it fails, not the others
+                self._fail(session, e)
+                continue
             if chunk is not None:
                 sessions.append(session)
                 chunks.append(chunk)
@@ -236,13 +244,34 @@ class Scheduler:
         """Ended streams with no chunk left (e.g. too short for one chunk): final now."""
         out = []
         for session in list(self.active.values()):
-            if session.finished_input:
-                out.append((session, self.model.update(session, True)))
-                self.close(session)
+            try:
+                if session.finished_input:
+                    out.append((session, self.model.update(session, True)))
+                    self.close(session)
+            except Exception as e:  # as in collect: this stream fails alone
+                self._fail(session, e)
+        return out
+
+    def _fail(self, session: SessionBase, e: Exception) -> None:
+        self.close(session, failed=True)
+        self._failed.append((session, e))
+
+    def take_failed(self) -> list[tuple[SessionBase, Exception]]:
+        """Sessions closed (FAILED) since the last call because their own chunking or final
+        update raised, with the exception (the server tells their clients)."""
+        out, self._failed = self._failed, []
         return out
 
     def run_once(self) -> list[tuple[SessionBase, Update]]:
-        """collect -> pool step -> apply, synchronously (tests, `transcribe stream`)."""
+        """collect -> pool step -> apply, synchronously (tests, `transcribe stream`); a
+        session's own error is raised here (after it is closed)."""
         sessions, chunks = self.collect()
+        self._raise_failed()
         out = self.apply(sessions, self.pool.step(chunks)) if chunks else []
-        return out + self.finish_idle()
+        out += self.finish_idle()
+        self._raise_failed()
+        return out
+
+    def _raise_failed(self) -> None:
+        if self._failed:
+            raise self.take_failed()[0][1]

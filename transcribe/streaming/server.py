@@ -395,6 +395,7 @@ class StreamServer:
             self._wake.clear()
             while True:
                 sessions, chunks = sched.collect()
+                self._fail_own_errors()
                 if not chunks:
                     break
                 try:
@@ -404,6 +405,13 @@ class StreamServer:
                     self._fail(sessions, _describe(e))
                 heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
             self._deliver(sched.finish_idle())
+            self._fail_own_errors()
+
+    def _fail_own_errors(self) -> None:
+        """Streams whose own chunking or final update raised (the scheduler closed them)."""
+        for session, e in self.scheduler.take_failed():
+            log.error("stream %s failed: %s", session.stream_id, _describe(e), exc_info=e)
+            self._fail([session], _describe(e))
 
     async def _step(self, sessions: list[SessionBase], chunks: list) -> None:
         """One batched pool step (in the worker thread) and its results sent."""
@@ -423,8 +431,9 @@ class StreamServer:
 
     def _engine_ended(self, task: asyncio.Task) -> None:
         """The engine loop ends only when cancelled (stop); anything else is a bug outside a
-        step (collecting chunks, finishing idle streams). Serving on without it would leave
-        every stream waiting for its timeout, so the server stops, saying why."""
+        step and outside any one stream's own work (which fails that stream alone). Serving on
+        without it would leave every stream waiting for its timeout, so the server stops,
+        saying why."""
         if task.cancelled():
             return
         self.engine_failure = task.exception()
