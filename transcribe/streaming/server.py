@@ -381,7 +381,7 @@ class StreamServer:
     def _notify_admitted(self) -> None:
         sessions = self.scheduler.take_admitted()
         for s in sessions:
-            client = self._clients.get(s.stream_id)
+            client = self._client_of(s)
             if client is not None:
                 self._send(client, {"type": "ready", "stream_id": s.stream_id})
         if sessions:
@@ -425,7 +425,7 @@ class StreamServer:
         self.steps += 1
         self._deliver(sched.apply(sessions, hyps))
         for s in sessions:  # their handlers may be waiting for the backlog to shrink
-            client = self._clients.get(s.stream_id)
+            client = self._client_of(s)
             if client is not None:
                 client.progress.set()
 
@@ -443,8 +443,8 @@ class StreamServer:
 
     def _deliver(self, updates) -> None:
         for session, update in updates:
-            client = self._clients.get(session.stream_id)
-            if client is None or client.session is not session:
+            client = self._client_of(session)
+            if client is None:
                 continue
             for msg in P.update_messages(session.stream_id, update, session.decoded_seconds):
                 self._send(client, msg)
@@ -458,9 +458,15 @@ class StreamServer:
         already sent (a step can fail after delivering some of its results), nor a new stream
         that took the id of one closed while the step ran (a client reconnecting)."""
         for s in sessions:
-            client = self._clients.get(s.stream_id)
-            if client is not None and client.session is s and not client.final.is_set():
+            client = self._client_of(s)
+            if client is not None and not client.final.is_set():
                 self._drop(client, P.error_message("internal", message))
+
+    def _client_of(self, session: SessionBase) -> _Client | None:
+        """The client streaming `session`: not one that took its id after it closed (a
+        client reconnecting while a step of the old stream ran)."""
+        client = self._clients.get(session.stream_id)
+        return client if client is not None and client.session is session else None
 
 
 def _describe(e: BaseException) -> str:
