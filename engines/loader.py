@@ -57,7 +57,7 @@ def choose_model(model: str | None) -> str:
 
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
                 features_on: str = "auto", dtype: str = "auto", backend_options=None, word_timestamps: bool = True,
-                language: str | None = None, task: str = "transcribe"):
+                language: str | None = None, task: str = "transcribe", prompt: str | None = None):
     """An engine (see `transcribe.engine_api.Engine`) for `model` on `device`. `decoder_mode` (auto,
     full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
@@ -72,8 +72,9 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     Whisper, whose word times take an extra alignment pass (engines/whisper_alignment.py);
     Parakeet's come with its decoding. `language` (a code or name, or auto: detected once per file,
     transcribe/file_language.py; None: en) and `task` (transcribe, or translate into English) are
-    Whisper's; Parakeet models take no language (v2 is English, v3 finds the language itself) and
-    only transcribe."""
+    Whisper's, as is `prompt` (text read as coming before every piece: names, spellings, style);
+    Parakeet models take no language (v2 is English, v3 finds the language itself), only
+    transcribe, and take no prompt."""
     name = choose_model(model)
     if name not in REGISTRY and name not in WHISPER_NAMES and Path(name).expanduser().exists():
         # A path names the model by where it is, however it was typed: results.jsonl records
@@ -88,6 +89,8 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     if not whisper and language is not None:
         raise OptionError(f"--language is for Whisper models; {name} (Parakeet) takes no language "
                          "(English-only models, or, like parakeet-tdt-0.6b-v3, finding it themselves)")
+    if not whisper and prompt is not None:
+        raise OptionError(f"--prompt is for Whisper models; {name} (Parakeet) takes no prompt")
     if whisper and features_on not in ("auto", "workers"):
         raise OptionError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
                          "features in the workers")
@@ -97,11 +100,11 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
 
         try:
             if name in WHISPER_NAMES:
-                engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task)
+                engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task, prompt)
             else:
                 engine = WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device,
                                                  name=name, decoder_mode=decoder_mode, dtype=dtype,
-                                                 language=language or "en", task=task)
+                                                 language=language or "en", task=task, prompt=prompt)
         except LanguageTaskError as e:  # known only once the vocabulary is read
             raise OptionError(f"{name}: {e}") from e
         engine.word_timestamps = word_timestamps

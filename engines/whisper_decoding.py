@@ -58,6 +58,11 @@ class DecodeOptions:
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     best_of: int = 5
     loop_check_every: int = 16  # steps between repetition checks (the graph modes' steps per host read)
+    # Text the decoder reads as what came before each window (OpenAI's initial_prompt): names,
+    # spellings and style to follow. It goes before every window of a file, as faster-whisper's
+    # batched pipeline does (OpenAI's transcribe gives it to the first window only, unless
+    # carry_initial_prompt); its last n_text_ctx // 2 - 1 tokens are kept.
+    initial_prompt: str | None = None
 
     def __post_init__(self) -> None:
         if not 4 <= self.max_length <= 448:
@@ -93,6 +98,17 @@ class WindowResult:
     language_probability: float | None = None  # the detection's, where this window detected it
 
 
+def previous_text(tok: WhisperTokenizer, initial_prompt: str | None, n_text_ctx: int) -> list[int]:
+    """`<|startofprev|>` and the prompt's tokens (OpenAI: " " + the stripped text, its last
+    n_text_ctx // 2 - 1 tokens), or [] without a prompt (None or blank)."""
+    text = (initial_prompt or "").strip()
+    if not text:
+        return []
+    if tok.sot_prev < 0:
+        raise ValueError("this model's vocabulary has no <|startofprev|> token to give a prompt with")
+    return [tok.sot_prev] + tok.encode(" " + text)[-(n_text_ctx // 2 - 1):]
+
+
 class GreedyDecoder:
     """Batched decoding of mel windows with a Whisper model: greedy, then the fallback.
 
@@ -108,9 +124,14 @@ class GreedyDecoder:
         self.device = model.decoder.embed.weight.device
         self.suppress = tokenizer.suppress_tokens() if suppress_tokens is None else list(suppress_tokens)
         self.rules = Rules(tokenizer, options, self.suppress, model.dims.n_vocab, self.device)
-        # sot [language task] [notimestamps]; with the language left to detection, "en" holds
-        # its place until `start` puts each window's own there.
-        self.prompt = tokenizer.sot_sequence(options.language, options.timestamps, options.task)
+        # [<|startofprev|> initial prompt] sot [language task] [notimestamps]; with the language
+        # left to detection, "en" holds its place until `start` puts each window's own there.
+        self.previous = previous_text(tokenizer, options.initial_prompt, model.dims.n_text_ctx)
+        self.sot_index = len(self.previous)
+        self.prompt = self.previous + tokenizer.sot_sequence(options.language, options.timestamps, options.task)
+        if len(self.prompt) >= options.max_length:
+            raise ValueError(f"max_length={options.max_length} leaves no room to decode after the prompt "
+                             f"({len(self.prompt)} tokens)")
         self.language_ids = tokenizer.languages  # code -> token id
         self.languages = {i: code for code, i in self.language_ids.items()}  # token id -> code
         self.detect_language = options.language is None and tokenizer.is_multilingual
@@ -224,8 +245,10 @@ class GreedyDecoder:
         language of its first: None rows alone are detected); the rest of the prompt follows."""
         prompt = torch.tensor(self.prompt, device=self.device).expand(n, -1)
         probs: list[float | None] = [None] * n
+        s = self.sot_index  # where <|startoftranscript|> sits: after the initial prompt
         if self.detect_language:
-            first = self.model.decoder(prompt[:, :1], cache)
+            # OpenAI detects from sot alone, at position 0 and without the initial prompt.
+            first = self.model.decoder(prompt[:, s:s + 1], cache)
             if languages is None or None in languages:
                 ids = torch.tensor(list(self.languages), device=self.device)
                 scores = first[:, 0, ids].float()
@@ -236,13 +259,18 @@ class GreedyDecoder:
                 probs = [None if g else p for g, p in zip(given, top.tolist())]
                 languages = [g or d for g, d in zip(given, detected)]
             chosen = torch.tensor([self.language_ids[c] for c in languages], device=self.device)
-            logits = torch.cat([first, self.model.decoder(torch.cat([chosen[:, None], prompt[:, 2:]], 1), cache)], 1)
+            rest = torch.cat([chosen[:, None], prompt[:, s + 2:]], 1)
+            if s == 0:  # the detection's pass is the prompt's first position: keep it
+                logits = torch.cat([first, self.model.decoder(rest, cache)], 1)
+            else:  # the initial prompt goes first: the prompt runs again from position 0
+                cache.length = 0
+                logits = self.model.decoder(torch.cat([prompt[:, :s + 1], rest], 1), cache)
         else:
             logits = self.model.decoder(prompt, cache)
-            languages = [self.languages.get(self.prompt[1]) if len(self.prompt) > 1 else None] * n
+            languages = [self.languages.get(self.prompt[s + 1]) if len(self.prompt) > s + 1 else None] * n
         no_speech = torch.zeros(n)
         if self.tok.no_speech >= 0:  # OpenAI reads it at the <|startoftranscript|> position
-            no_speech = logits[:, 0].softmax(-1)[:, self.tok.no_speech].cpu()
+            no_speech = logits[:, s].softmax(-1)[:, self.tok.no_speech].cpu()
         return logits[:, -1], no_speech, languages, probs
 
     def _greedy(self, audio: Tensor, languages: list[str | None] | None = None

@@ -164,12 +164,14 @@ class WhisperEngine:
 
     @property
     def settings(self) -> dict[str, str]:
-        """The language asked for (or auto) and the task, for multilingual models; English-only
-        ones have no choice to make (see transcribe.engine_api.Engine.settings)."""
+        """The language asked for (or auto) and the task, for multilingual models (English-only
+        ones have no choice to make), and the prompt when one is given (see
+        transcribe.engine_api.Engine.settings)."""
         opts = self.decoder.opts
-        if not self.decoder.tok.is_multilingual:
-            return {}
-        return {"language": opts.language or "auto", "task": opts.task}
+        out = {"language": opts.language or "auto", "task": opts.task} if self.decoder.tok.is_multilingual else {}
+        if self.decoder.previous:
+            out["prompt"] = opts.initial_prompt.strip()
+        return out
 
     @property
     def detects_language(self) -> bool:
@@ -188,30 +190,33 @@ class WhisperEngine:
             note += f", language {dec.opts.language or 'auto'}"
             if dec.opts.task != "transcribe":
                 note += f", {dec.opts.task}"
+        if dec.previous:
+            note += f", prompt of {len(dec.previous) - 1} tokens"
         return note
 
     @classmethod
     def load(cls, name: str, device: str = "auto", decoder_mode: str = "auto", dtype: str = "auto",
-             language: str = "en", task: str = "transcribe") -> "WhisperEngine":
-        """A registry name: `whisper-base` is the bundled model (dtype, language: see `from_checkpoint`)."""
+             language: str = "en", task: str = "transcribe", prompt: str | None = None) -> "WhisperEngine":
+        """A registry name: `whisper-base` is the bundled model (dtype: see `from_checkpoint`;
+        language, task, prompt: `language_options`)."""
         from engines.parakeet import pick_device
 
         if name != "whisper-base":
             raise ValueError(f"unknown Whisper model {name!r} (bundled: whisper-base)")
         engine = cls.from_bundled(device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode,
-                                  options=language_options(language, task))
+                                  options=language_options(language, task, prompt))
         engine.name = name
         return engine
 
     @classmethod
     def load_path(cls, path: str | Path, device: str = "auto", name: str | None = None,
                   decoder_mode: str = "auto", dtype: str = "auto", language: str = "en",
-                  task: str = "transcribe") -> "WhisperEngine":
+                  task: str = "transcribe", prompt: str | None = None) -> "WhisperEngine":
         """A local checkpoint (CT2 folder or model.bin, OpenAI .pt, HF safetensors file or folder)."""
         from engines.parakeet import pick_device
 
         engine = cls.from_checkpoint(path, device=pick_device(device), dtype=dtype, decoder_mode=decoder_mode,
-                                     options=language_options(language, task))
+                                     options=language_options(language, task, prompt))
         engine.name = name or str(path)
         return engine
 
@@ -376,15 +381,16 @@ class WhisperEngine:
         return [(r.text, list(r.segments)) for r in self.decode_windows(windows)]
 
 
-def language_options(language: str, task: str = "transcribe") -> DecodeOptions:
+def language_options(language: str, task: str = "transcribe", prompt: str | None = None) -> DecodeOptions:
     """`--language`: a language of the model's vocabulary, as a code or a name (en, de, german, ...:
     `whisper_languages.language_code`; one the vocabulary lacks fails at load), or auto: detected as
     OpenAI's `detect_language` does, once per file by the pipeline (`detects_language`).
     English-only (.en) models take en or auto. auto misread 2 of 235 English files here
     (whisper-base: one as Latin, still English text, one as Russian), hence en by default. `--task`:
-    transcribe, or translate into English (multilingual models; the language stays the spoken one)."""
+    transcribe, or translate into English (multilingual models; the language stays the spoken one).
+    `--prompt`: text read as coming before every piece (`DecodeOptions.initial_prompt`)."""
     code = language_code(language)
-    return DecodeOptions(language=None if code == "auto" else code, task=task)
+    return DecodeOptions(language=None if code == "auto" else code, task=task, initial_prompt=prompt)
 
 
 def _clip(res: WindowResult, duration: float) -> WindowResult:

@@ -68,7 +68,7 @@ class Rules:
             always[tok.no_timestamps] = True
         first = always.clone()
         if opts.suppress_blank:
-            blank = tok.encode_pretoken(" ") + [tok.eot] if tok.merges else [220, tok.eot]
+            blank = [tok.blank, tok.eot]
             first[torch.tensor(blank, device=device)] = True
         if opts.timestamps:  # the first token is a timestamp no later than max_initial_timestamp
             max_init = round(opts.max_initial_timestamp / TIME_PRECISION)

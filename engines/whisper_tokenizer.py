@@ -1,12 +1,15 @@
-"""Whisper's byte-level BPE vocabulary: special token ids, decoding, and the suppress list.
+"""Whisper's byte-level BPE vocabulary: special token ids, decoding, encoding (prompts), and the
+suppress list.
 
-Decoding needs only the vocab of `tokenizer.json` (or CTranslate2's `vocabulary.txt`, one token
+Decoding and encoding need only the vocab of `tokenizer.json` (or CTranslate2's `vocabulary.txt`, one token
 per line in id order): each token is a string of "printable" stand-ins for bytes (GPT-2's
 bytes_to_unicode map), so text = utf-8 decode of the mapped-back bytes. Special tokens
 (<|endoftext|>, <|startoftranscript|>, languages, tasks, <|notimestamps|>) come from the
 added tokens; timestamp tokens <|0.00|> .. <|30.00|> follow <|notimestamps|> in 0.02 s steps,
 whether or not the file lists them. Multilingual (51865/51866 ids) and English-only (51864 ids)
 vocabularies differ only in where these ids sit, which reading them by name takes care of.
+Encoding merges byte pairs by the ids of the tokens they make (tiktoken's ranks), so it needs no
+merges list either.
 """
 from __future__ import annotations
 
@@ -15,7 +18,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import regex
+
 TIME_PRECISION = 0.02  # seconds per timestamp token step
+# GPT-2's pre-tokenizer (tiktoken's pattern for Whisper's encodings): contractions, letters,
+# numbers and other symbols each with an optional leading space, and runs of whitespace.
+PRETOKEN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
 
 @lru_cache(maxsize=1)
@@ -45,7 +53,6 @@ class WhisperTokenizer:
     """
 
     tokens: tuple[str, ...]
-    merges: dict[tuple[str, str], int] = field(default_factory=dict, repr=False, compare=False)
     ids: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,19 +132,34 @@ class WhisperTokenizer:
                 data.extend(dec[c] for c in self.tokens[i])
         return data.decode("utf-8", errors="replace")
 
+    @property
+    def blank(self) -> int:
+        """The id of " " alone (220), which OpenAI's SuppressBlank bans as a first token; 220 in
+        a vocabulary without single-byte tokens (the tests' small random one)."""
+        return self.ids.get(bytes_to_unicode()[ord(" ")], 220)
+
+    @property
+    def sot_prev(self) -> int:
+        """<|startofprev|>: what precedes a prompt of earlier text (-1 when the vocab lacks it)."""
+        return self.ids.get("<|startofprev|>", -1)
+
+    def encode(self, text: str) -> list[int]:
+        """BPE ids of `text`: GPT-2's pre-token split, then each pre-token's merges, as
+        tiktoken encodes (special token names in `text` are plain text here)."""
+        return [i for piece in PRETOKEN.findall(text) for i in self.encode_pretoken(piece)]
+
     def encode_pretoken(self, text: str) -> list[int]:
-        """BPE ids of one GPT-2 pre-token (no regex split). Needs merges (tokenizer.json)."""
-        if not self.merges:
-            raise ValueError("encode needs the BPE merges of tokenizer.json")
-        enc = bytes_to_unicode()
+        """BPE ids of one GPT-2 pre-token (no regex split), as tiktoken merges: the adjacent pair
+        whose joined token has the lowest id joins first, until no joined pair is a token. The
+        ids are the merge ranks, so no merges list is needed (tokenizer.json's list for
+        Whisper lacks the first merge, "Ġ t", which left " the" as [" ", "the"])."""
+        enc, ids, limit = bytes_to_unicode(), self.ids, self.eot
         word = [enc[b] for b in text.encode("utf-8")]
         while len(word) > 1:
-            ranked = [(self.merges.get(p, 1 << 30), j) for j, p in enumerate(zip(word, word[1:]))]
-            rank, j = min(ranked)
-            if rank == 1 << 30:
+            rank, j = min((ids.get(a + b, limit), j) for j, (a, b) in enumerate(zip(word, word[1:])))
+            if rank >= limit:
                 break
             word[j:j + 2] = [word[j] + word[j + 1]]
-        ids = self.ids
         return [ids[w] for w in word]
 
     def non_speech_tokens(self) -> list[int]:
@@ -172,7 +194,6 @@ def load_tokenizer(path: str | Path, n_vocab: int | None = None) -> WhisperToken
     timestamp names "<|x.xx|>" (tokenizer.json files often omit the 1501 timestamp tokens).
     """
     path = Path(path)
-    merges: dict[tuple[str, str], int] = {}
     if path.suffix == ".json":
         spec = json.loads(path.read_text(encoding="utf-8"))
         vocab = dict(spec["model"]["vocab"])
@@ -180,9 +201,6 @@ def load_tokenizer(path: str | Path, n_vocab: int | None = None) -> WhisperToken
         tokens = [""] * (max(vocab.values()) + 1)
         for tok, i in vocab.items():
             tokens[i] = tok
-        for rank, m in enumerate(spec["model"].get("merges", [])):
-            a, b = m.split(" ", 1) if isinstance(m, str) else m
-            merges[(a, b)] = rank
     else:
         tokens = path.read_text(encoding="utf-8").split("\n")
         if tokens and tokens[-1] == "":
@@ -191,4 +209,4 @@ def load_tokenizer(path: str | Path, n_vocab: int | None = None) -> WhisperToken
     target = max(n_vocab or 0, len(tokens))
     for i in range(len(tokens), target):
         tokens.append(f"<|{(i - ts_begin) * TIME_PRECISION:.2f}|>")
-    return WhisperTokenizer(tuple(tokens), merges)
+    return WhisperTokenizer(tuple(tokens))

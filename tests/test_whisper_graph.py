@@ -38,7 +38,7 @@ def reference_rules(logits: torch.Tensor, step: int, last: torch.Tensor, penult:
     logits = logits.clone()
     logits[:, suppress] = NEG_INF
     if step == 0 and opts.suppress_blank:
-        logits[:, tok.encode_pretoken(" ") + [tok.eot] if tok.merges else [220, tok.eot]] = NEG_INF
+        logits[:, [tok.blank, tok.eot]] = NEG_INF
     if not opts.timestamps:
         return logits
     ts0 = tok.timestamp_begin
@@ -116,7 +116,7 @@ def test_rules_equal_openai_branches_with_the_real_vocabulary(opts):
         pytest.skip(str(e))
     from engines.whisper_tokenizer import load_tokenizer
 
-    tok = load_tokenizer(data / "tokenizer.json", 51865)  # blank = encode(" ") + eot through the merges
+    tok = load_tokenizer(data / "tokenizer.json", 51865)  # blank: the real " " token
     check_rules_on_random_states(tok, opts, tok.suppress_tokens(), cases=20)
 
 
@@ -203,6 +203,16 @@ def test_static_path_equals_eager_on_real_speech(base, mode, timestamps, buckets
     assert buckets_run[0] == 6 and buckets_run[-1] < 6 and buckets_run == sorted(buckets_run, reverse=True)
     if timestamps:
         assert all(r.segments for r in want[:-1])
+
+
+@pytest.mark.parametrize("mode", [DecodeMode.UNROLLED, DecodeMode.FULL_GRAPH])
+def test_static_path_equals_eager_after_a_prompt(base, mode, buckets_run):
+    """An initial prompt (--prompt) moves every position: the static buffers' step positions
+    start after it, and the no-speech probability is read at sot, past it."""
+    opts = DecodeOptions(initial_prompt="um, uh, so like, you know, lowercase words without any punctuation")
+    want = eager_results(base, opts, tuple(FILES))
+    assert want != eager_results(base, DecodeOptions(), tuple(FILES))  # the prompt changed the decoding
+    assert_same(decode(decoder_like(base, opts), audio_states(base, FILES), mode), want)
 
 
 @pytest.mark.parametrize("mode", [DecodeMode.UNROLLED, DecodeMode.FULL_GRAPH])

@@ -48,6 +48,8 @@ DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Wh
               "decoder staying float32), float16 (CUDA).")
 LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de or german, fr, ... as the model's vocabulary has them), "
                  "or auto to detect it once per file, from its first piece with speech. Parakeet models take none.")
+PROMPT_HELP = ("Whisper: text the model reads as coming before every piece of every file (OpenAI's initial_prompt): "
+               "names, terms and spellings to use, or a style (punctuation, casing) to follow. Parakeet models take none.")
 TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
 FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
 DEVICE_HELP = "auto, cpu, cuda or cuda:N (auto: cuda when available)."
@@ -119,13 +121,13 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
              words: bool = True, language: Optional[str] = None, task: str = "transcribe",
-             out: Optional[Path] = None, report: Optional[Path] = None):
+             prompt: Optional[str] = None, out: Optional[Path] = None, report: Optional[Path] = None):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
-    `words`: an output shows word times (Whisper aligns words only then). `language`, `task`:
-    --language, --task. `out` (--out, `_out_folder`) and `report` (--json: its folder must be
+    `words`: an output shows word times (Whisper aligns words only then). `language`, `task`,
+    `prompt`: --language, --task, --prompt. `out` (--out, `_out_folder`) and `report` (--json: its folder must be
     writable) are checked once the inputs are known and before the model loads (None: not
     given)."""
     from engines.checkpoint import CheckpointError
@@ -180,7 +182,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     engine = None
     try:
         engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
-                             word_timestamps=words, language=language, task=task)
+                             word_timestamps=words, language=language, task=task, prompt=prompt)
     except OptionError as e:  # an option this model does not take (--language for Parakeet)
         raise _fail(str(e), EXIT_USAGE)
     except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
@@ -216,6 +218,7 @@ def transcribe(
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
     task: str = typer.Option("transcribe", "--task", help=TASK_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help=PROMPT_HELP),
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import needs_words, parse_formats
@@ -227,7 +230,7 @@ def transcribe(
     t0 = time.perf_counter()
     files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words=needs_words(formats), language=language,
-                                        task=task, out=out)
+                                        task=task, prompt=prompt, out=out)
     if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
         (out / "results.jsonl").touch()
         raise typer.Exit(EXIT_OK)
@@ -261,6 +264,7 @@ def bench(
     features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
     language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help=PROMPT_HELP),
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
@@ -269,7 +273,7 @@ def bench(
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
-                                             language=language, out=out, report=json_path)
+                                             language=language, prompt=prompt, out=out, report=json_path)
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,

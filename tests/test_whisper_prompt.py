@@ -1,0 +1,124 @@
+"""Whisper's initial prompt (`--prompt`): the tokenizer's encoding equals tiktoken's, the prompt's
+tokens equal OpenAI's, and decoding after it equals openai-whisper's own on real speech
+(tests/data/whisper_prompt/reference.json, bench/make_whisper_prompt_references.py); the
+prompt reaches the engine's settings (a rerun with another prompt redoes the file) and a
+Parakeet model refuses it as a usage error."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import SPEECH, bundled_whisper_fp32
+from engines.whisper_decoding import GreedyDecoder, previous_text
+from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
+from test_whisper_words import audio_of, openai_window_mel
+
+REFERENCE = json.loads((Path(__file__).parent / "data" / "whisper_prompt" / "reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def base():
+    return bundled_whisper_fp32(batch_size=16)  # openai-whisper ran fp32
+
+
+def vocabularies():
+    try:
+        data = bundled_base_dir()[1]
+    except WhisperWeightsError as e:
+        pytest.skip(str(e))
+    from engines.whisper_tokenizer import load_tokenizer
+
+    return [load_tokenizer(data / name, 51865) for name in ("tokenizer.json", "vocabulary.txt")
+            if (data / name).is_file()]
+
+
+def test_encode_equals_tiktoken():
+    """Letters, numbers, contractions, whitespace runs, non-Latin scripts, emoji, a special
+    token's name as text: the ids tiktoken gives, from tokenizer.json (whose merges list lacks
+    GPT-2's first merge, "Ġ t") and from CTranslate2's vocabulary.txt (no merges at all)."""
+    for tok in vocabularies():
+        for entry in REFERENCE["texts"]:
+            assert tok.encode(entry["text"]) == entry["ids"], entry["text"]
+            assert tok.decode(entry["ids"]) == entry["text"]
+
+
+def test_prompt_tokens_equal_openai():
+    """<|startofprev|>, then " " + the stripped prompt's tokens, the last 223 of a long one."""
+    tok = vocabularies()[0]
+    long = [p for p in REFERENCE["prompts"] if len(p["ids"]) > 223]
+    assert long, "no prompt long enough to be cut"
+    for p in REFERENCE["prompts"]:
+        assert previous_text(tok, p["prompt"], 448) == [tok.sot_prev] + p["ids"][-223:]
+    assert previous_text(tok, None, 448) == previous_text(tok, " \n ", 448) == []
+
+
+def runs_by_setting() -> dict[tuple[int, str | None], list[dict]]:
+    groups: dict[tuple[int, str | None], list[dict]] = {}
+    for run in REFERENCE["runs"]:
+        groups.setdefault((run["prompt"], run["language"]), []).append(run)
+    return groups
+
+
+@pytest.mark.parametrize("setting", sorted(runs_by_setting(), key=str), ids=str)
+def test_decoding_after_a_prompt_equals_openai_whisper(base, setting):
+    """openai-whisper 20250625, same weights, fp32, greedy, given the windows it builds: the
+    tokens, text, segments and their average log-probability and no-speech probability (read
+    at <|startoftranscript|>, after the prompt) are OpenAI's; with the language left to
+    detection it is detected without the prompt, as OpenAI's detect_language does."""
+    p, language = setting
+    runs = runs_by_setting()[setting]
+    dec = base.decoder
+    opts = replace(dec.opts, language=language, initial_prompt=REFERENCE["prompts"][p]["prompt"], temperatures=(0.0,))
+    prompted = GreedyDecoder(dec.model, dec.tok, opts, dec.suppress)
+    mel, frames = openai_window_mel([audio_of(r) for r in runs])
+    results = prompted.decode(mel, frames)
+    for run, res, n in zip(runs, results, frames, strict=True):
+        where = f"{run['audio']} (prompt {p}, language {language})"
+        segments = run["segments"]
+        assert list(res.tokens) == [t for s in segments for t in s["tokens"]], where
+        assert res.text.strip() == run["text"], where
+        # Text never closed by a timestamp ends at 30 s here (the engine's `_clip` then cuts
+        # every time to the audio); OpenAI ends it at its window's frames.
+        ours = [(a, b if b < 30.0 else round(n * 0.01, 2), t) for a, b, t in res.segments]
+        assert ours == [(s["start"], s["end"], s["text"]) for s in segments], where
+        assert res.avg_logprob == pytest.approx(segments[0]["avg_logprob"], abs=2e-3), where
+        assert res.no_speech_prob == pytest.approx(segments[0]["no_speech_prob"], abs=2e-3), where
+        assert res.language == run["detected"], where
+        if language is None:  # detected from sot alone: the prompt would move the probability
+            assert res.language_probability == pytest.approx(run["detected_probability"], abs=1e-4), where
+
+
+def test_the_prompt_changes_the_text(base):
+    """The references are worth testing against: the lowercase, unpunctuated style prompt
+    changed OpenAI's text of the first files (and so ours, above)."""
+    plain = {r["audio"]: r["text"] for r in REFERENCE["runs"] if r["prompt"] == 0 and r["language"] == "en"}
+    styled = [r for r in REFERENCE["runs"] if r["prompt"] == 1]
+    changed = [r["audio"] for r in styled if r["text"] != plain[r["audio"]]]
+    assert len(changed) >= 3 and any(r["text"] == r["text"].lower() for r in styled)
+
+
+def test_settings_carry_the_prompt(base):
+    """results.jsonl records the prompt, so a rerun with another one (or none) redoes the file
+    (transcribe/resume.py compares settings)."""
+    dec = base.decoder
+    assert "prompt" not in base.settings
+    prompted = GreedyDecoder(dec.model, dec.tok, replace(dec.opts, initial_prompt="  Quilter.  "), dec.suppress)
+    engine = type(base)(prompted, batch_size=4, name=base.name)
+    assert engine.settings == {**base.settings, "prompt": "Quilter."}
+    assert "prompt of 4 tokens" in engine.runtime  # " Qu", "il", "ter", "."
+
+
+def test_a_parakeet_model_refuses_a_prompt(tmp_path):
+    """--prompt with a Parakeet model is a usage error (2), before the model loads."""
+    from test_cli import run_cli
+
+    model = Path("../shared/fixtures/nemo_reference/tdt_tiny/model.nemo")
+    if not model.is_file():
+        pytest.skip(f"fixture model not found at {model}")
+    res = run_cli(str(SPEECH / "jfk" / "jfk.flac"), "--model", str(model), "--prompt", "Kennedy",
+                  "--out", str(tmp_path / "out"))
+    assert res.returncode == 2, res.stderr
+    assert "--prompt is for Whisper models" in res.stderr
