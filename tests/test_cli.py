@@ -370,6 +370,74 @@ def test_merge_refuses_a_shard_that_is_still_being_written(tmp_path):
     assert len((tmp_path / "all" / "results.jsonl").read_text().splitlines()) == 2
 
 
+
+def _shard_log(d: Path, names: list[str]) -> Path:
+    """A shard's --out as a run leaves it: talks/NAME.txt for each name, and an ok line
+    listing it (relative to `d`)."""
+    (d / "talks").mkdir(parents=True)
+    rows = []
+    for name in names:
+        (d / "talks" / f"{name}.txt").write_text(f"{name} from {d.name}\n")
+        rows.append({"audio_filepath": f"/a/talks/{name}.wav", "duration": 1.0, "text": name, "status": "ok",
+                     "error": None, "model": "m", "outputs": [f"talks/{name}.txt"]})
+    (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def _transcripts(out: Path) -> dict[str, str]:
+    """Audio file name -> the text of the transcript its line in `out`/results.jsonl lists,
+    read through the path as given, from `out`."""
+    rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    return {Path(r["audio_filepath"]).name: (out / r["outputs"][0]).read_text() for r in rows}
+
+
+def test_merge_lists_each_output_relative_to_the_merged_folder(tmp_path):
+    """A line's `outputs` are relative to its log's folder: in a merged log they named files
+    in the shard's folder as if they were in --out, where nothing (or another file of that
+    name) is. They are rewritten from --out, for shard folders given as absolute or relative
+    paths, with a shard's own folder as --out, and for a merged folder merged again."""
+    s1, s2 = _shard_log(tmp_path / "s1", ["a"]), _shard_log(tmp_path / "s2", ["b"])
+    want = {"a.wav": "a from s1\n", "b.wav": "b from s2\n"}
+    assert run_cli("merge", str(s1), str(s2), "--out", str(tmp_path / "all")).returncode == 0
+    assert _transcripts(tmp_path / "all") == want
+    assert sorted(json.loads(l)["outputs"][0] for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()) \
+        == ["../s1/talks/a.txt", "../s2/talks/b.txt"]
+    p = run_cli("merge", "s1", "s2", "--out", "nested/all", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert _transcripts(tmp_path / "nested" / "all") == want
+    p = run_cli("merge", "s1", "s2", "--out", "s1", cwd=tmp_path)  # s1's own lines keep their names
+    assert p.returncode == 0, p.stderr
+    assert _transcripts(s1) == want
+    assert [json.loads(l)["outputs"] for l in (s1 / "results.jsonl").read_text().splitlines()] == [
+        ["talks/a.txt"], ["../s2/talks/b.txt"]]
+    s3 = _shard_log(tmp_path / "s3", ["c"])
+    p = run_cli("merge", str(tmp_path / "nested" / "all"), str(s3), "--out", str(tmp_path / "x" / "y"))
+    assert p.returncode == 0, p.stderr
+    assert _transcripts(tmp_path / "x" / "y") == {**want, "c.wav": "c from s3\n"}
+
+
+def test_merge_leaves_outputs_it_cannot_read_as_they_are(tmp_path):
+    """A hand-edited line (`outputs` not a list, or holding a number) or one from before
+    outputs were logged is merged as it is, not a traceback."""
+    from transcribe.merging import rebased
+
+    line = {"audio_filepath": "/a/x.wav", "status": "ok"}
+    for outputs in ("x.txt", None, 3):
+        assert rebased({**line, "outputs": outputs}, tmp_path / "s1", tmp_path / "all")["outputs"] == outputs
+    assert rebased(line, tmp_path / "s1", tmp_path / "all") == line
+    assert rebased({**line, "outputs": [1, "x.txt"]}, tmp_path / "s1", tmp_path / "all")["outputs"] == [
+        1, "../s1/x.txt"]
+
+def test_merge_into_a_folder_reached_through_a_link(tmp_path):
+    """`..` in a path is followed from the folder's real place: a path climbing from the link's
+    own place (`../s1/...` from `tmp/link`) would name `tmp/real/deep/s1`."""
+    s1 = _shard_log(tmp_path / "s1", ["a"])
+    (tmp_path / "real" / "deep" / "all").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "deep" / "all")
+    p = run_cli("merge", str(s1), "--out", str(tmp_path / "link"))
+    assert p.returncode == 0, p.stderr
+    assert _transcripts(tmp_path / "link") == {"a.wav": "a from s1\n"}
+
 @needs_shared
 def test_shards_with_workers_merge_into_one_log(tmp_path):
     ref = Reference("tdt_tiny")
@@ -389,6 +457,47 @@ def test_shards_with_workers_merge_into_one_log(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()]
     assert sorted(r["audio_filepath"] for r in rows) == sorted(files)
     assert {r["text"] for r in rows} == {ref.files[i]["transcribe_text"] for i in range(4)}
+
+
+
+@needs_shared
+def test_a_run_into_a_merged_folder_writes_its_own_outputs_and_leaves_the_shards_alone(tmp_path):
+    """A merged log lists transcripts in the shard folders (`../s2/x.txt`). A later run with
+    --out at the merged folder takes none of them for its own: a file is done only when the
+    outputs it would write are in its --out and listed, so it transcribes again there, and a
+    shard's files are never rewritten, removed or listed as the run's own. With a shard's
+    folder as the merge's --out, that shard's files are done and the others' are written
+    there, over a stale file of the same name (another model's, say, from an earlier run into
+    that folder), which the merged log's plain `x.txt` of shard 2 passed off as done."""
+    ref = Reference("tdt_tiny")
+    files = [str(ref.audio_path(i)) for i in range(4)]
+    for i in (1, 2):
+        p = run_cli(*files, "--model", str(ref.nemo), "--out", str(tmp_path / f"s{i}"), "--shard", f"{i}/2",
+                    "--format", "txt")
+        assert p.returncode == 0, p.stderr
+    s2_files = {q: (q.read_bytes(), q.stat().st_mtime_ns) for q in (tmp_path / "s2").glob("*.txt")}
+    assert len(s2_files) == 2
+    stale = tmp_path / "s1" / next(iter(s2_files)).name
+    stale.write_text("another model's words\n")
+
+    def rerun(out: Path, formats: str) -> tuple[str, list[dict]]:
+        assert run_cli("merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(out)).returncode == 0
+        p = run_cli(*files, "--model", str(ref.nemo), "--out", str(out), "--format", formats)
+        assert p.returncode == 0, p.stderr
+        rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+        for r in rows:  # every listed output is the run's own, in its --out, and holds its text
+            assert [o for o in r["outputs"] if "/" in o] == []
+            assert (out / r["outputs"][0]).read_text().strip() == r["text"]
+        return p.stderr, rows
+
+    stderr, rows = rerun(tmp_path / "all", "txt,json")
+    assert "4 files transcribed, 0 failed, 0 already done" in stderr
+    assert sorted(o for r in rows for o in r["outputs"]) == sorted(
+        f"{Path(f).stem}.{ext}" for f in files for ext in ("txt", "json"))
+    stderr, rows = rerun(tmp_path / "s1", "txt")
+    assert "2 files transcribed, 0 failed, 2 already done" in stderr
+    assert stale.read_text() != "another model's words\n"
+    assert {q: (q.read_bytes(), q.stat().st_mtime_ns) for q in (tmp_path / "s2").glob("*.txt")} == s2_files
 
 
 def test_a_missing_optional_package_is_a_clear_error_not_a_traceback(tmp_path, monkeypatch, capsys):

@@ -287,15 +287,16 @@ def bench(
 
 
 @sub_app.command(help="Join the results.jsonl of shard runs (`--shard I/N --out DIR_I`) into --out/results.jsonl.\n\n"
-                 "Only results.jsonl is merged: each shard's transcript files stay in its own folder. A file "
-                 "listed by several shards keeps one line (an ok line over an error line, else the last).")
+                 "Only results.jsonl is merged: each shard's transcript files stay in its own folder, and a "
+                 "line's `outputs` name them relative to --out (`../DIR_1/talks/a.txt`). A file listed by "
+                 "several shards keeps one line (an ok line over an error line, else the last).")
 def merge(
     shard_dirs: List[Path] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
 ) -> None:
-    from transcribe.inputs import record_key
+    from transcribe.merging import merged_records
     from transcribe.resume import OutputBusy, out_dir_lock, writer_of
-    from transcribe.writers import atomic_write_text, read_results, results_line
+    from transcribe.writers import atomic_write_text, results_line
 
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
@@ -307,19 +308,13 @@ def merge(
         raise _fail("; ".join(f"{d} is still being written by a transcribe run" + (f" (pid {pid})" if pid else "")
                               for d, pid in running) + ": merge once it has finished", EXIT_NOTHING_RAN)
     _out_folder(out)
-    merged: dict[str, dict] = {}
-    for d in shard_dirs:
-        for r in read_results(d / "results.jsonl"):
-            key = str(record_key(r))  # a segment of a file is its own line
-            old = merged.get(key)
-            if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
-                merged[key] = r
+    merged = merged_records(shard_dirs, out)
     try:
         with out_dir_lock(out):  # not while a run writes there
-            atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged.values()))
+            atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged))
     except OutputBusy as e:
         raise _fail(f"{e}; wait for it to finish", EXIT_NOTHING_RAN)
-    failed = sum(r.get("status") != "ok" for r in merged.values())
+    failed = sum(r.get("status") != "ok" for r in merged)
     typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards, {failed} failed -> {out / 'results.jsonl'}", err=True)
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
 
