@@ -1,6 +1,7 @@
 """Subtitle cues: long segments cut on word times into cues a viewer can read."""
 import math
 import random
+import re
 
 from transcribe.results import Result, Segment, Word
 from transcribe.subtitles import MAX_CUE_CHARS, MAX_CUE_SECONDS, MAX_LINE_CHARS, _timed_tokens, _Token, cues, wrap
@@ -152,3 +153,81 @@ def test_text_without_spaces_is_cut_between_its_words_by_display_width():
     (tokens,) = _timed_tokens([Segment(mtext, 0.0, 2.0)], mixed)
     assert [(t.text, t.glued) for t in tokens] == [("我们用", False), ("Python", False), ("写", False), ("代码。", True)]
     assert wrap(tokens) == (mtext,)
+
+
+def _spans(result: Result) -> list[tuple[float, float, str]]:
+    return [(c.start, c.end, " ".join(c.lines)) for c in cues(result)]
+
+
+def _plain(*segments: tuple[float, float, str]) -> Result:
+    """Segments whose words share their times (one word per segment, or words spread evenly)."""
+    words = []
+    for a, b, text in segments:
+        parts = text.split()
+        step = (b - a) / len(parts)
+        words += [Word(w, a + k * step, a + (k + 1) * step) for k, w in enumerate(parts)]
+    return Result(" ".join(t for _, _, t in segments), words, [Segment(t, a, b) for a, b, t in segments])
+
+
+def test_a_segment_of_no_length_is_shown_in_the_silence_around_its_time():
+    """A zero-length cue is skipped or flashed by players. Whisper's tails made one: a tune's
+    "Muzica", moved by its word times past the 2 s where its tail was decoded from, was capped
+    there (2.0-2.0, `whisper_engine._decode_tails`); a TDT word of duration 0 makes a one-word
+    segment of no length. Such a cue gets up to COLLAPSED_CUE_SECONDS of the silence around
+    it, centred on its time where there is room; no other cue moves."""
+    assert _spans(_plain((2.0, 2.0, "Muzica"), (2.0, 5.74, "Bă, bă."))) == [
+        (1.0, 2.0, "Muzica"), (2.0, 5.74, "Bă, bă.")]
+    assert _spans(_plain((0.5, 1.5, "one two"), (3.0, 3.0, "three"), (4.0, 5.0, "four"))) == [
+        (0.5, 1.5, "one two"), (2.5, 3.5, "three"), (4.0, 5.0, "four")]
+    assert _spans(_plain((0.5, 2.9, "one"), (3.0, 3.0, "three"), (3.2, 5.0, "four"))) == [
+        (0.5, 2.9, "one"), (2.9, 3.2, "three"), (3.2, 5.0, "four")]
+    assert _spans(_plain((0.5, 1.0, "one"), (7.0, 7.0, "last"))) == [(0.5, 1.0, "one"), (6.5, 7.5, "last")]
+    # No silence on either side: its words join the cue that begins at its time.
+    assert _spans(_plain((1.0, 2.0, "one"), (2.0, 2.0, "two"), (2.0, 2.0, "three"), (2.0, 3.0, "four"))) == [
+        (1.0, 2.0, "one"), (2.0, 3.0, "two three four")]
+    # Times that differ by less than the millisecond srt shows are no length either.
+    (a, b) = cues(_plain((1.0, 2.0, "one"), (2.5001, 2.5004, "two")))
+    assert (round(b.start, 3), round(b.end, 3)) == (2.0, 3.0)
+
+
+def test_overlapping_segments_end_the_earlier_cue_and_out_of_order_ones_wait():
+    """Whisper's word times can end a segment after the next begins, or move one past the
+    next: the earlier cue ends where the later begins (every cue appears as its words are
+    heard); a cue that begins before the one it follows waits for it to end."""
+    assert _spans(_plain((1.0, 4.2, "one two"), (4.0, 7.0, "three"))) == [
+        (1.0, 4.0, "one two"), (4.0, 7.0, "three")]
+    assert _spans(_plain((2.5, 5.0, "one"), (2.0, 6.0, "two"))) == [(2.5, 5.0, "one"), (5.0, 6.0, "two")]
+    assert _spans(_plain((2.5, 5.0, "one"), (2.0, 4.0, "two"), (9.0, 9.5, "three"))) == [
+        (2.5, 5.0, "one"), (5.0, 6.0, "two"), (9.0, 9.5, "three")]
+
+
+def _cue_times(subtitles: str) -> list[tuple[int, int]]:
+    """Each cue's (start, end) in milliseconds, as an srt or a vtt says."""
+    clock = r"(\d\d):(\d\d):(\d\d)[,.](\d\d\d)"
+    ms = lambda h, m, s, f: ((int(h) * 60 + int(m)) * 60 + int(s)) * 1000 + int(f)  # noqa: E731
+    return [(ms(*c[:4]), ms(*c[4:])) for c in re.findall(clock + " --> " + clock, subtitles)]
+
+
+def test_srt_and_vtt_cues_always_have_length_and_never_overlap():
+    """Random segments, some of no length, overlapping, out of order, a fraction of a
+    millisecond apart, with their words (or none): every cue of the srt and the vtt lasts at
+    least 1 ms, begins no earlier than the one before ends, and the cues spell the text."""
+    from transcribe.writers import write_vtt
+
+    rng = random.Random(3)
+    for trial in range(300):
+        segments, t = [], rng.uniform(0, 2)
+        for k in range(rng.randint(1, 8)):
+            kind = rng.random()
+            length = 0.0 if kind < 0.3 else rng.choice([0.0002, 0.3, 2.0, 9.0])
+            start = t - rng.uniform(0, 3) if kind > 0.8 else t + rng.choice([0.0, 0.0, 0.0004, 0.5])
+            segments.append((max(0.0, start), max(0.0, start) + length, f"w{trial}x{k} y{k}"))
+            t = max(t, start + length)
+        result = _plain(*segments)
+        if trial % 3 == 0:
+            result = Result(result.text, [], result.segments)
+        for text in (write_srt(result), write_vtt(result)):
+            times = _cue_times(text)
+            assert len(times) == len(cues(result)) and all(b > a for a, b in times), (segments, times)
+            assert all(b[0] >= a[1] for a, b in zip(times, times[1:])), (segments, times)
+        assert " ".join(" ".join(c.lines) for c in cues(result)).split() == result.text.split()

@@ -232,6 +232,7 @@ def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
     from engines.stage_times import StageTimes
     from engines.whisper_decoding import WindowResult
     from engines.whisper_engine import WhisperEngine
+    from transcribe.writers import write_srt
 
     tok = SimpleNamespace(eot=50257, timestamp_begin=50364)
     ts = lambda s: tok.timestamp_begin + round(s / 0.02)  # noqa: E731
@@ -252,3 +253,5 @@ def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
     assert [(s.start, s.end) for s in out.segments] == [(2.0, 2.0), (2.0, 9.16)]
     assert [(w.word, w.start, w.end) for w in out.words] == [("Muzica", 2.0, 2.0), ("Bă,", 2.0, 2.38),
                                                              ("bă.", 2.38, 9.16)]
+    # Its subtitle, of no length there, is shown in the second before (`subtitles._give_time`).
+    assert write_srt(out).startswith("1\n00:00:01,000 --> 00:00:02,000\nMuzica\n\n2\n00:00:02,000 --> ")

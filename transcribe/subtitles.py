@@ -8,6 +8,10 @@ into the fewest cues that fit, as even as can be, preferring cuts after punctuat
 cue's times are those of its first and last words. The text of the cues, joined, is the
 segment's text: words are never moved or respelled, only the whitespace between them.
 
+Cues are then settled in time (`_settle`): none overlaps the next, and one of no
+length (a segment whose times were capped to a point) takes a moment of the silence around
+it, or, where there is none, joins the next cue.
+
 Word times come from `Result.words`, matched to the segment text character by character
 (whitespace aside: Whisper's words split "self-substantial" in two, the text does not). A
 result whose words do not spell its segments (none aligned) keeps one cue per segment.
@@ -20,6 +24,7 @@ line holds 21 of them, near the 16 of Netflix's Chinese guideline, and a 7 s cue
 """
 from __future__ import annotations
 
+import math
 import unicodedata
 from dataclasses import dataclass
 
@@ -34,6 +39,10 @@ _PUNCTUATION = tuple(",;:.?!，、；：。？！")
 # Scripts written without spaces between words that are not East Asian wide: Thai, Lao,
 # Myanmar, Khmer (wide ones, CJK, are found by their width).
 _UNSPACED_RANGES = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF))
+# A cue that would have no length (`_give_time`) is shown this long where the silence around
+# it allows: about the shortest time a line of subtitle can be read in (Netflix's minimum
+# duration is 5/6 s).
+COLLAPSED_CUE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -68,22 +77,85 @@ def _join(tokens: list[_Token]) -> str:
     return "".join(("" if t.glued or i == 0 else " ") + t.text for i, t in enumerate(tokens))
 
 
+@dataclass
+class _Draft:
+    """A cue before its times are settled (`_settle`) and its tokens wrapped into lines."""
+
+    start: float
+    end: float
+    tokens: list[_Token]
+
+
 def cues(result) -> list[Cue]:
-    """The result's subtitle cues, in order (segments without text give none)."""
+    """The result's subtitle cues, in order, each shown for a time of its own and none
+    overlapping another (`_settle`); segments without text give none."""
     segments = [s for s in result.segments if s.text.strip()]
     timed = _timed_tokens(segments, result.words)
-    out: list[Cue] = []
+    drafts: list[_Draft] = []
     for i, seg in enumerate(segments):
         if timed is None:
-            out.append(Cue(seg.start, seg.end, wrap([_Token(t, seg.start, seg.end) for t in seg.text.split()])))
+            drafts.append(_Draft(seg.start, seg.end, [_Token(t, seg.start, seg.end) for t in seg.text.split()]))
             continue
         groups = _cut(timed[i])
         for k, group in enumerate(groups):
-            # A cue starts no earlier than the one before it ends (RNN-T word times can
-            # overlap), and the first and last keep the segment's own times.
-            start = seg.start if k == 0 else max(group[0].start, out[-1].end)
-            end = seg.end if k == len(groups) - 1 else group[-1].end
-            out.append(Cue(start, max(start, end), wrap(group)))
+            # The first and last cue keep the segment's own times.
+            drafts.append(_Draft(seg.start if k == 0 else group[0].start,
+                                 seg.end if k == len(groups) - 1 else group[-1].end, group))
+    return [Cue(d.start, d.end, wrap(d.tokens)) for d in _settle(drafts)]
+
+
+def _ms(seconds: float) -> int:
+    """A time as srt and vtt print it (`writers._clock`): cue times are compared as shown."""
+    return round(seconds * 1000)
+
+
+def _settle(drafts: list[_Draft]) -> list[_Draft]:
+    """The cues in text order, none overlapping the one before, none of zero length. A
+    segment's times can overlap the next one's (Whisper's word times move segment ends past
+    the next start; RNN-T word times overlap), run out of order (word times moved a segment
+    past the next), or close up to nothing: a piece's times are capped where the next piece,
+    or its own tail, begins (`stitching.stitch`, `whisper_engine._decode_tails`), so a segment
+    whose words were put past that point starts and ends there, as does a one-word segment
+    whose word has no length (a TDT token of duration 0). A player skips or flashes such a
+    cue, and overlapping ones stack on screen."""
+    _order(drafts)
+    return _give_time(drafts)
+
+
+def _order(drafts: list[_Draft]) -> None:
+    """A cue that begins while the one before is shown ends that one, so every cue still
+    appears as its first word is heard (as subtitle editors fix overlaps: a cue taken off a
+    little early misleads less than one put up late); one that begins no later than the one
+    before (out of order) waits until that one ends. A cue ending before it begins ends there."""
+    for prev, d in zip([None, *drafts], drafts):
+        if prev is not None and _ms(d.start) < _ms(prev.end):
+            if _ms(d.start) > _ms(prev.start):
+                prev.end = d.start
+            else:
+                d.start = prev.end
+        if _ms(d.end) < _ms(d.start):
+            d.end = d.start
+
+
+def _give_time(drafts: list[_Draft]) -> list[_Draft]:
+    """A cue of zero length gets up to COLLAPSED_CUE_SECONDS of the silence around it, centred
+    on its time where the cues before and after leave room: it stays where it was in the
+    file (a zero-length time is where its words were capped, or where its word was) and no
+    other cue moves. With no silence on either side (cues meeting at its time), its words
+    join the cue after it, which begins at that time: no words are lost and no time is made
+    up for them, at the cost of a fuller cue."""
+    out: list[_Draft] = []
+    for i, d in enumerate(drafts):
+        if _ms(d.end) == _ms(d.start):
+            before = out[-1].end if out else 0.0
+            after = drafts[i + 1].start if i + 1 < len(drafts) else math.inf
+            d.start = max(before, d.start - COLLAPSED_CUE_SECONDS / 2)
+            d.end = min(after, d.start + COLLAPSED_CUE_SECONDS)
+            d.start = max(before, d.end - COLLAPSED_CUE_SECONDS)
+            if _ms(d.end) == _ms(d.start):  # `after` is finite: the last cue always has room
+                drafts[i + 1].tokens = d.tokens + drafts[i + 1].tokens
+                continue
+        out.append(d)
     return out
 
 
