@@ -122,3 +122,34 @@ def test_build_result_gap_in_seconds_and_edge_cases():
     assert (empty.text, empty.words, empty.segments, empty.tokens) == ("", [], [], [])
     with pytest.raises(ValueError, match="one frame and duration per token"):
         build_result(tok, [10, 3], [0, 1], [1], "tdt", TIMING)
+
+
+@needs_shared
+def test_no_word_or_segment_ends_before_it_starts_in_the_json():
+    """Random greedy outputs (TDT durations of 0 included, which give words and one-word
+    segments of no length), stitched as pieces of a file with its times capped at the next
+    piece and the file's end: every word and segment the json holds ends no earlier than it
+    starts."""
+    import json
+    import random
+
+    from transcribe.stitching import stitch
+    from transcribe.writers import write_json
+
+    _, tok = parts("tdt_tiny")
+    rng = random.Random(0)
+    for trial in range(200):
+        kind = rng.choice(["tdt", "rnnt", "ctc"])
+        pieces = []
+        for _ in range(rng.randint(1, 3)):
+            tokens, frames, durations, frame = [], [], [], rng.randint(0, 2)
+            for _ in range(rng.randint(1, 25)):
+                tokens.append(rng.randrange(1, 128))
+                durations.append(rng.randint(0, 4))
+                frames.append(frame)
+                frame += durations[-1] if kind == "tdt" else rng.randint(kind == "ctc", 3)
+            pieces.append(build_result(tok, tokens, frames, durations, kind, TIMING))
+        offsets = sorted(rng.uniform(0, 10) for _ in pieces)
+        doc = json.loads(write_json(stitch(pieces, offsets, duration=offsets[-1] + rng.uniform(0, 3))))
+        for item in doc["words"] + doc["segments"]:
+            assert item["end"] >= item["start"], (trial, kind, item)
