@@ -32,6 +32,13 @@ def is_whisper_path(model: str) -> bool:
     return p.suffix in WHISPER_SUFFIXES and p.is_file()
 
 
+def is_whisper(name: str) -> bool:
+    """A Whisper model: the bundled name, a registry entry of that family, or a local Whisper
+    checkpoint (`is_whisper_path`); anything else is taken for a Parakeet .nemo."""
+    entry = REGISTRY.get(name)
+    return name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
+
+
 def choose_model(model: str | None) -> str:
     """The model name or path to use, following the documented order."""
     if model:
@@ -81,7 +88,7 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
         # it and a rerun compares it (`m.nemo` from two folders is two models).
         name = os.path.abspath(Path(name).expanduser())
     entry = REGISTRY.get(name)
-    whisper = name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
+    whisper = is_whisper(name)
     if whisper and encoder_backend not in ("auto", "torch"):
         raise OptionError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
     if not whisper and task != "transcribe":

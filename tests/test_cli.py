@@ -282,9 +282,24 @@ def test_option_values_no_model_takes_are_usage_errors(tmp_path):
                         (("--language", "German"), "--language is for Whisper models"),
                         (("--language", "DE"), "--language is for Whisper models"),
                         (("--task", "translate"), "--task translate is for Whisper models"),
+                        (("--prompt", "Kennedy"), "--prompt is for Whisper models"),
                         (("--batch-seconds", "inf"), "expected a finite number of seconds")):
         p = run_cli(audio, "--model", str(ref.nemo), "--out", out, *flags)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (flags, p.stderr)
+
+
+@needs_shared
+@pytest.mark.parametrize("command", [["stream", "AUDIO"], ["serve", "--port", "0"],
+                                     ["export-engine", "--onnx-only", "--onnx", "OUT/x.onnx"]],
+                         ids=["stream", "serve", "export-engine"])
+def test_a_whisper_model_where_only_parakeet_runs_is_a_usage_error(tmp_path, command):
+    """stream, serve and export-engine take Parakeet models: a Whisper one is the user's to
+    change, like --language for Parakeet (2), said before anything loads."""
+    audio = SPEECH / "jfk" / "jfk.flac"
+    args = [str(audio) if a == "AUDIO" else a.replace("OUT", str(tmp_path)) for a in command]
+    p = run_cli(*args[:1], "--model", "whisper-base", *args[1:])
+    assert p.returncode == 2, p.stderr
+    assert "whisper-base is a Whisper model" in p.stderr and "Traceback" not in p.stderr
 
 
 @needs_shared

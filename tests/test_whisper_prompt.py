@@ -1,8 +1,8 @@
 """Whisper's initial prompt (`--prompt`): the tokenizer's encoding equals tiktoken's, the prompt's
 tokens equal OpenAI's, and decoding after it equals openai-whisper's own on real speech
 (tests/data/whisper_prompt/reference.json, bench/make_whisper_prompt_references.py); the
-prompt reaches the engine's settings (a rerun with another prompt redoes the file) and a
-Parakeet model refuses it as a usage error."""
+prompt reaches the engine's settings (a rerun with another prompt redoes the file). A Parakeet
+model refuses it as a usage error (test_cli.py)."""
 from __future__ import annotations
 
 import json
@@ -110,15 +110,3 @@ def test_settings_carry_the_prompt(base):
     assert engine.settings == {**base.settings, "prompt": "Quilter."}
     assert "prompt of 4 tokens" in engine.runtime  # " Qu", "il", "ter", "."
 
-
-def test_a_parakeet_model_refuses_a_prompt(tmp_path):
-    """--prompt with a Parakeet model is a usage error (2), before the model loads."""
-    from test_cli import run_cli
-
-    model = Path("../shared/fixtures/nemo_reference/tdt_tiny/model.nemo")
-    if not model.is_file():
-        pytest.skip(f"fixture model not found at {model}")
-    res = run_cli(str(SPEECH / "jfk" / "jfk.flac"), "--model", str(model), "--prompt", "Kennedy",
-                  "--out", str(tmp_path / "out"))
-    assert res.returncode == 2, res.stderr
-    assert "--prompt is for Whisper models" in res.stderr

@@ -45,13 +45,12 @@ class ExportRequest:
 
 
 def _nemo_path(model: str | None) -> Path:
-    from engines.checkpoint import REGISTRY, resolve_checkpoint
-    from engines.loader import WHISPER_NAMES, choose_model, is_whisper_path
+    from engines.checkpoint import resolve_checkpoint
+    from engines.loader import choose_model, is_whisper
 
     name = choose_model(model)
-    entry = REGISTRY.get(name)
-    if name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper"):
-        raise ExportError(f"{name} is a Whisper model: export-engine builds Parakeet (.nemo) encoders only")
+    if is_whisper(name):  # a model the command does not take: the user's to change, as --language for Parakeet
+        raise ExportError(f"{name} is a Whisper model: export-engine builds Parakeet (.nemo) encoders only", EXIT_USAGE)
     return resolve_checkpoint(name)
 
 

@@ -20,10 +20,14 @@ def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: flo
                          right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> StreamingModel:
     """A registry name or a `.nemo` path -> StreamingModel: cache-aware checkpoints stream with
     their trained chunking, offline-trained TDT / RNN-T ones in chunks with left and right
-    context (None = NeMo's 2 s chunk, 10 s left, 2 s right). ValueError for anything else."""
-    from engines.loader import load_engine
+    context (None = NeMo's 2 s chunk, 10 s left, 2 s right). OptionError (a usage error) for a
+    Whisper model, before it loads; ValueError for anything else."""
+    from engines.loader import OptionError, choose_model, is_whisper, load_engine
     from engines.parakeet import ParakeetEngine
 
+    if is_whisper(choose_model(model)):
+        raise OptionError(f"{model} is a Whisper model: streaming takes FastConformer transducers "
+                          "(TDT / RNN-T .nemo) only")
     # Streaming steps are small batches of short chunks: eager torch (no bucketed graphs).
     engine = load_engine(model, device=device, encoder_backend="torch", decoder_mode="eager", dtype=dtype)
     if not isinstance(engine, ParakeetEngine):
