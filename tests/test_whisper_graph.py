@@ -415,7 +415,8 @@ def test_gpu_modes_equal_eager(base, mode, dtype):
     # kernels, so fp16 log-probabilities differ in the last bits (tokens must not).
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     for opts in (DecodeOptions(), DecodeOptions(max_length=20), DecodeOptions(compression_ratio_threshold=1.3,
-                                                                              loop_check_every=8)):
+                                                                              loop_check_every=8),
+                 DecodeOptions(initial_prompt="um, uh, so like, you know, lowercase words without any punctuation")):
         eager, graphed = decoder_like(engine, opts), decoder_like(engine, opts)
         assert graphed.set_mode(mode) == mode
         for files in (FILES, FILES[2:4], FILES[:1]):  # capture, smaller batch, one row
