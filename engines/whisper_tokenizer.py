@@ -145,7 +145,13 @@ class WhisperTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """BPE ids of `text`: GPT-2's pre-token split, then each pre-token's merges, as
-        tiktoken encodes (special token names in `text` are plain text here)."""
+        tiktoken encodes (special token names in `text` are plain text here). Lone surrogates
+        (bytes of an argument that is not UTF-8, as Python decodes argv) become U+FFFD first,
+        as tiktoken makes them: UTF-8 cannot encode them."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
         return [i for piece in PRETOKEN.findall(text) for i in self.encode_pretoken(piece)]
 
     def encode_pretoken(self, text: str) -> list[int]:

@@ -110,3 +110,15 @@ def test_settings_carry_the_prompt(base):
     assert engine.settings == {**base.settings, "prompt": "Quilter."}
     assert "prompt of 4 tokens" in engine.runtime  # " Qu", "il", "ter", "."
 
+
+
+def test_text_that_is_not_utf8_encodes_as_tiktoken_does():
+    """A --prompt argument holding bytes that are not UTF-8 reaches Python with lone surrogates
+    (argv's surrogateescape: "caf\\xe9" from a Latin-1 terminal is "caf\\udce9"). tiktoken gives
+    them U+FFFD's ids ([15246, 5342] for " caf\\udce9", as for " caf\\ufffd") and joins a split
+    surrogate pair into its character; encoding them as UTF-8 raised UnicodeEncodeError, which
+    failed the run as "cannot load model"."""
+    for tok in vocabularies():
+        assert tok.encode(" caf\udce9") == tok.encode(" caf\ufffd") == [15246, 5342]
+        assert tok.encode(" a\ud83d\ude00b") == tok.encode(" a\U0001F600b") == [257, 13125, 222, 65]
+        assert previous_text(tok, "caf\udce9", 448) == [tok.sot_prev, 15246, 5342]
