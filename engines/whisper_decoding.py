@@ -247,9 +247,11 @@ class GreedyDecoder:
         probs: list[float | None] = [None] * n
         s = self.sot_index  # where <|startoftranscript|> sits: after the initial prompt
         if self.detect_language:
-            # OpenAI detects from sot alone, at position 0 and without the initial prompt.
-            first = self.model.decoder(prompt[:, s:s + 1], cache)
-            if languages is None or None in languages:
+            detect = languages is None or None in languages
+            # OpenAI detects from sot alone, at position 0 and without the initial prompt. Without
+            # a prompt that pass is also the prompt's first position, so it runs either way.
+            first = self.model.decoder(prompt[:, s:s + 1], cache) if detect or s == 0 else None
+            if detect:
                 ids = torch.tensor(list(self.languages), device=self.device)
                 scores = first[:, 0, ids].float()
                 best = scores.argmax(-1)
@@ -262,7 +264,7 @@ class GreedyDecoder:
             rest = torch.cat([chosen[:, None], prompt[:, s + 2:]], 1)
             if s == 0:  # the detection's pass is the prompt's first position: keep it
                 logits = torch.cat([first, self.model.decoder(rest, cache)], 1)
-            else:  # the initial prompt goes first: the prompt runs again from position 0
+            else:  # the initial prompt goes first: the prompt runs (again) from position 0
                 cache.length = 0
                 logits = self.model.decoder(torch.cat([prompt[:, :s + 1], rest], 1), cache)
         else:

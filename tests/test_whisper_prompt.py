@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SPEECH, bundled_whisper_fp32
+from conftest import bundled_whisper_fp32
 from engines.whisper_decoding import GreedyDecoder, previous_text
 from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
 from test_whisper_words import audio_of, openai_window_mel
@@ -122,3 +122,18 @@ def test_text_that_is_not_utf8_encodes_as_tiktoken_does():
         assert tok.encode(" caf\udce9") == tok.encode(" caf\ufffd") == [15246, 5342]
         assert tok.encode(" a\ud83d\ude00b") == tok.encode(" a\U0001F600b") == [257, 13125, 222, 65]
         assert previous_text(tok, "caf\udce9", 448) == [tok.sot_prev, 15246, 5342]
+
+
+def test_a_given_language_after_a_prompt_decodes_as_that_language_asked_for(base):
+    """With --language auto, a file's later pieces come with its language (`languages`): after
+    a prompt they skip the detection pass and decode as with that language asked for."""
+    dec, prompt = base.decoder, REFERENCE["prompts"][0]["prompt"]
+    runs = [r for r in REFERENCE["runs"] if r["prompt"] == 0 and r["language"] is None][:2]
+    mel, frames = openai_window_mel([audio_of(r) for r in runs])
+    auto = GreedyDecoder(dec.model, dec.tok, replace(dec.opts, language=None, initial_prompt=prompt), dec.suppress)
+    asked = GreedyDecoder(dec.model, dec.tok, replace(dec.opts, language="en", initial_prompt=prompt), dec.suppress)
+    given = auto.decode(mel, frames, languages=["en"] * len(runs))
+    want = asked.decode(mel, frames)
+    assert [r.tokens for r in given] == [r.tokens for r in want]
+    assert [r.no_speech_prob for r in given] == pytest.approx([r.no_speech_prob for r in want], abs=1e-6)
+    assert all(r.language == "en" and r.language_probability is None for r in given)
