@@ -20,23 +20,25 @@ def merged_records(log_dirs: list[Path], out: Path) -> list[dict]:
     of a file is its own), an ok line over an error line, else the last; `outputs` rebased
     (`rebased`)."""
     merged: dict[str, dict] = {}
+    # Both folders resolved (once per log, not per line): a `..` in the new paths is followed
+    # from `out`'s real location, so a lexical relpath from an `out` reached through a link
+    # would climb out of the wrong folder.
+    dst = out.resolve()
     for d in log_dirs:
+        src = d.resolve()
         for r in read_results(d / "results.jsonl"):
             key = str(record_key(r))
             old = merged.get(key)
             if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
-                merged[key] = rebased(r, d, out)
+                merged[key] = rebased(r, src, dst)
     return list(merged.values())
 
 
-def rebased(record: dict, log_dir: Path, out: Path) -> dict:
-    """`record` from the log in `log_dir`, its `outputs` made relative to `out`. Both folders
-    are resolved first: a `..` in the new paths is followed from `out`'s real location, so a
-    lexical relpath from an `out` reached through a link would climb out of the wrong folder.
-    A path that is not a string (a hand-edited line) is left as it is, as is a line without
-    `outputs` (from before they were logged: its files are not known)."""
+def rebased(record: dict, src: Path, dst: Path) -> dict:
+    """`record` from the log in the resolved folder `src`, its `outputs` made relative to the
+    resolved folder `dst`. A path that is not a string (a hand-edited line) is left as it is,
+    as is a line without `outputs` (from before they were logged: its files are not known)."""
     outputs = record.get("outputs")
-    src, dst = log_dir.resolve(), out.resolve()
     if not isinstance(outputs, list) or src == dst:
         return record
     return {**record, "outputs": [Path(os.path.relpath(src / p, dst)).as_posix() if isinstance(p, str) else p
