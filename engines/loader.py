@@ -25,8 +25,9 @@ class OptionError(ValueError):
 
 
 def is_whisper_path(model: str) -> bool:
-    """A local Whisper checkpoint: OpenAI .pt, safetensors, CT2 model.bin, or a folder of those."""
-    p = Path(model)
+    """A local Whisper checkpoint: OpenAI .pt, safetensors, CT2 model.bin, or a folder of those
+    (`~` expanded, as `load_engine` reads a path: a quoted `~/w.pt` is the same model)."""
+    p = Path(model).expanduser()
     if p.is_dir():
         return (p / "model.bin").is_file() or (p / "model.safetensors").is_file()
     return p.suffix in WHISPER_SUFFIXES and p.is_file()

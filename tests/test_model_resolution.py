@@ -172,3 +172,17 @@ def test_a_checkpoint_cut_short_is_a_clear_error(tmp_path):
         with pytest.raises(CheckpointError, match=r"index is damaged or holds more than tensors") as caught:
             archive.state_dict()
     assert "weights_only" not in str(caught.value)  # not torch's advice to run the file's code
+
+
+def test_a_whisper_checkpoint_is_known_by_a_tilde_path(tmp_path, monkeypatch):
+    """A quoted `~/w.pt` names the checkpoint that `load_engine` would load, so a command that
+    takes Parakeet models only refuses it as Whisper before loading (stream, serve,
+    export-engine), as it refuses the expanded path."""
+    from engines.loader import is_whisper
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "w.pt").write_bytes(b"not loaded")
+    (tmp_path / "ct2").mkdir()
+    (tmp_path / "ct2" / "model.bin").write_bytes(b"not loaded")
+    assert is_whisper("~/w.pt") and is_whisper("~/ct2") and is_whisper(str(tmp_path / "w.pt"))
+    assert not is_whisper("~/missing.pt") and not is_whisper("~/m.nemo")
