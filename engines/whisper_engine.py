@@ -165,12 +165,15 @@ class WhisperEngine:
     @property
     def settings(self) -> dict[str, str]:
         """The language asked for (or auto) and the task, for multilingual models (English-only
-        ones have no choice to make), and the prompt when one is given (see
+        ones have no choice to make), and the prompt's kept text when one is given (see
         transcribe.engine_api.Engine.settings)."""
         opts = self.decoder.opts
         out = {"language": opts.language or "auto", "task": opts.task} if self.decoder.tok.is_multilingual else {}
         if self.decoder.previous:
-            out["prompt"] = opts.initial_prompt.strip()
+            # What the decoder reads (the kept last tokens), not what was typed: a long glossary
+            # adds at most ~223 tokens of text to each results.jsonl line, and two prompts that
+            # differ only in the part cut off decode alike, so a rerun skips the done files.
+            out["prompt"] = self.decoder.tok.decode(self.decoder.previous[1:]).strip()
         return out
 
     @property

@@ -111,6 +111,26 @@ def test_settings_carry_the_prompt(base):
     assert "prompt of 4 tokens" in engine.runtime  # " Qu", "il", "ter", "."
 
 
+def test_settings_record_the_prompt_the_decoder_reads(base):
+    """A prompt longer than the decoder keeps is recorded as its kept tail: each results.jsonl
+    line holds at most n_text_ctx // 2 - 1 tokens of text, however long the glossary, and two
+    prompts that differ only in the part cut off record alike (a rerun skips the done files)."""
+    dec = base.decoder
+    glossary = " ".join(f"Name{i} Term{i}," for i in range(400))
+
+    def engine(prompt):
+        d = GreedyDecoder(dec.model, dec.tok, replace(dec.opts, initial_prompt=prompt), dec.suppress)
+        return type(base)(d, batch_size=4, name=base.name)
+
+    long, longer = engine(glossary), engine("Other words first. " + glossary)
+    kept = long.decoder.previous[1:]
+    assert len(kept) == dec.model.dims.n_text_ctx // 2 - 1 < len(dec.tok.encode(" " + glossary))
+    assert long.settings["prompt"] == dec.tok.decode(kept).strip()
+    assert glossary.endswith(long.settings["prompt"]) and len(long.settings["prompt"]) < len(glossary) // 2
+    assert longer.settings == long.settings
+    assert engine("caf\udce9").settings["prompt"] == "caf\ufffd"  # as the decoder reads it
+
+
 
 def test_text_that_is_not_utf8_encodes_as_tiktoken_does():
     """A --prompt argument holding bytes that are not UTF-8 reaches Python with lone surrogates
