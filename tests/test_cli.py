@@ -336,6 +336,8 @@ def test_bench_report_has_the_contract_fields(tmp_path):
         assert key in r
     assert r["files"] == 3 and r["wer"] == 0.0  # references are the model's own transcripts
     assert r["rtfx"] > 0 and r["stages"]["encoder"] > 0 and "RTFx" in p.stdout
+    # how the model ran, as the startup line says it: two reports can say why they differ
+    assert r["runtime"] and f"({r['runtime']})" in p.stderr and r["settings"] == {}
     for folder in (str(tmp_path), ""):  # refused before the run, not after it with a traceback
         p = run_cli("bench", str(manifest), "--model", str(ref.nemo), "--json", folder)
         assert p.returncode == 2 and "names a folder, not a file" in p.stderr and "Traceback" not in p.stderr

@@ -157,3 +157,25 @@ def test_a_given_language_after_a_prompt_decodes_as_that_language_asked_for(base
     assert [r.tokens for r in given] == [r.tokens for r in want]
     assert [r.no_speech_prob for r in given] == pytest.approx([r.no_speech_prob for r in want], abs=1e-6)
     assert all(r.language == "en" and r.language_probability is None for r in given)
+
+
+def test_cli_prompt_reaches_the_decoder_the_log_and_the_bench_report(base, tmp_path):
+    """`transcribe --prompt` and `transcribe bench --prompt` give the prompt to the decoder (the
+    startup line counts its tokens, the text follows its spelling), record it in results.jsonl
+    and in the bench report, and a rerun with the same prompt skips the done file."""
+    from conftest import SPEECH
+    from test_cli import run_cli
+
+    jfk, prompt = str(SPEECH / "jfk" / "jfk.flac"), "my fellow Americans: ASK NOT!"
+    counted = f"prompt of {len(base.decoder.tok.encode(' ' + prompt))} tokens"
+    args = (jfk, "--model", "whisper-base", "--dtype", "float32", "--prompt", prompt)
+    p = run_cli(*args, "--out", str(tmp_path / "t"), "--format", "txt", "--no-progress")
+    assert p.returncode == 0 and counted in p.stderr, p.stderr
+    assert "ask NOT what your country" in (tmp_path / "t" / "jfk.txt").read_text()
+    row = json.loads((tmp_path / "t" / "results.jsonl").read_text())
+    assert row["settings"]["prompt"] == prompt
+    assert "1 already done" in run_cli(*args, "--out", str(tmp_path / "t"), "--format", "txt", "--no-progress").stderr
+    b = run_cli("bench", *args, "--json", str(tmp_path / "r.json"))
+    assert b.returncode == 0, b.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["settings"] == row["settings"] and counted in report["runtime"]

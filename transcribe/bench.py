@@ -98,8 +98,11 @@ def peak_gpu_bytes(device: str) -> int | None:
     return int(torch.cuda.max_memory_allocated(torch.device(device)))
 
 
-def build_report(stats, files, model: str, device: str, load_seconds: float, total_seconds: float) -> dict:
-    """The bench report of the contract, plus load-excluded (steady-state) figures."""
+def build_report(stats, files, model: str, device: str, load_seconds: float, total_seconds: float,
+                 runtime: str = "", settings: dict | None = None) -> dict:
+    """The bench report of the contract, plus load-excluded (steady-state) figures and how the
+    model ran: `runtime` (backend, dtypes, decoder mode: the startup line's) and `settings`
+    (language, task, prompt: what results.jsonl records), so two reports say why they differ."""
     refs = [(f.reference, stats.texts.get(f.key, "")) for f in files if f.reference is not None]
     stages = {k: round(v, 4) for k, v in sorted(stats.stage_seconds.items())}
     stages["load_model"] = round(load_seconds, 4)
@@ -119,6 +122,8 @@ def build_report(stats, files, model: str, device: str, load_seconds: float, tot
         "rtfx_steady": round(stats.rtfx, 3),
         # share of the batches the model computed that was padding (batches pad to their longest)
         "padding_fraction": round(stats.padding_fraction, 4),
+        "runtime": runtime,
+        "settings": dict(settings or {}),
     }
 
 

@@ -279,7 +279,8 @@ def bench(
         stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
                                            workers=workers, progress=False, prespawned=spares),
                                "a bench measures the whole run: run it again")
-        report = build_report(stats, files, engine.name, engine.device, load_s, time.perf_counter() - t0)
+        report = build_report(stats, files, engine.name, engine.device, load_s, time.perf_counter() - t0,
+                              runtime=getattr(engine, "runtime", ""), settings=engine.settings)
     if json_path is not None:
         write_report(report, json_path)
     typer.echo(summary_line(report))
