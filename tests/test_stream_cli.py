@@ -32,7 +32,8 @@ def test_option_values_that_cannot_work_are_usage_errors():
                  ("serve", "--model", MODEL, "--ws-port", "-1"),
                  ("serve", "--model", MODEL, "--idle-timeout", "0"),
                  ("serve", "--model", MODEL, "--device", "bogus"),
-                 ("serve", "--model", MODEL, "--dtype", "bogus")):
+                 ("serve", "--model", MODEL, "--dtype", "bogus"),
+                 ("serve", "--model", MODEL, "--log-level", "loud")):
         p = _cli(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
 
@@ -72,6 +73,15 @@ def test_chunking_options_a_model_does_not_take_are_usage_errors():
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
 
 
+def test_stream_says_its_chunking_before_the_transcript():
+    """An offline-trained model streams in chunks with context: `stream` says which on stderr
+    (an INFO line of ours, shown as a plain line; it was a warning), the transcript on stdout."""
+    p = _cli("stream", str(SPEECH / "jfk" / "jfk.flac"), "--model", str(NEMO_REF / "tdt_tiny" / "model.nemo"))
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("chunked streaming: chunk 2.00 s, left 10.00 s, right 2.00 s"), p.stderr
+    assert "final]" in p.stdout and "chunked" not in p.stdout
+
+
 def test_stream_reads_files_as_the_offline_command_does(tmp_path):
     """A WAV whose header promises more data than the file holds fails as offline fails it,
     rather than be streamed as the part that is there."""
@@ -89,7 +99,7 @@ def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
                               stderr=subprocess.PIPE, text=True)
     try:
         line = server.stderr.readline()
-        port = int(re.search(r"listening on [^ ]+:(\d+)", line).group(1))
+        port = int(re.search(r" INFO listening on [^ ]+:(\d+)", line).group(1))  # not a WARNING line
         client = socket.create_connection(("127.0.0.1", port), timeout=30)
         pcm = (np.sin(np.arange(16000) / 9.0) * 8000).astype("<i2").tobytes()
         import base64

@@ -356,9 +356,10 @@ def stream(
 ) -> None:
     from engines.loader import OptionError
     from transcribe.audio import AudioError
-    from transcribe.streaming.cli_commands import stream_file
+    from transcribe.streaming.cli_commands import LOG_LEVELS, log_to_stderr, stream_file
 
     _check_streaming(chunk_ms, left_ms, right_ms)
+    log_to_stderr(LOG_LEVELS["info"], "%(message)s")  # the chunking line, before the transcript
     try:
         summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
                               chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
@@ -385,18 +386,24 @@ def serve(
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info (the address served, "
+                                  "the chunking, clients gone), warning (slow clients dropped) or error."),
 ) -> None:
     from engines.loader import OptionError
     from engines.parakeet import pick_device
+    from transcribe.streaming.cli_commands import LOG_LEVELS
     from transcribe.streaming.cli_commands import serve as run_server
 
+    if log_level.lower() not in LOG_LEVELS:
+        raise _fail(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}", EXIT_USAGE)
     _check_runtime(device, dtype)
     _check_streaming(chunk_ms, left_ms, right_ms)
     try:
         status = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
                             idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s, ws_port=ws_port,
                             chunk_ms=chunk_ms, left_ms=left_ms,
-                            right_ms=right_ms, device=pick_device(device), dtype=dtype)
+                            right_ms=right_ms, device=pick_device(device), dtype=dtype,
+                            log_level=log_level.lower())
     except OptionError as e:  # chunking options this model does not take
         raise _fail(str(e), EXIT_USAGE)
     except (ValueError, OSError) as e:

@@ -16,6 +16,19 @@ from transcribe.streaming.server import ServerConfig, serve_forever
 from transcribe.streaming.session import SessionState
 
 
+# --log-level of `serve`: the least severe of our log lines shown
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def log_to_stderr(level: int, fmt: str) -> None:
+    """Log lines on stderr: ours (the `transcribe` and `engines` loggers: the address served,
+    the chunking, the attention kernel, clients dropped) from `level` up, other libraries'
+    from WARNING up, so "listening on" is an INFO line, not a warning."""
+    logging.basicConfig(level=logging.WARNING, format=fmt)
+    for name in ("transcribe", "engines"):
+        logging.getLogger(name).setLevel(level)
+
+
 def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: float | None = None,
                          right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> StreamingModel:
     """A registry name or a `.nemo` path -> StreamingModel: cache-aware checkpoints stream with
@@ -36,7 +49,7 @@ def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: flo
     if sm.context is not None:
         fs = sm.frame_samples / sm.sample_rate
         c = sm.context
-        logging.getLogger(__name__).warning(
+        logging.getLogger(__name__).info(
             "chunked streaming: chunk %.2f s, left %.2f s, right %.2f s (theoretical latency %.2f s)",
             c.chunk * fs, c.left * fs, c.right * fs, (c.chunk + c.right) * fs)
     return sm
@@ -106,13 +119,14 @@ def _print_message(echo, msg: dict, as_json: bool) -> None:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
           idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
           left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto",
-          max_backlog_s: float = 120.0) -> int:
+          max_backlog_s: float = 120.0, log_level: str = "info") -> int:
     """Run the streaming server until SIGINT / SIGTERM (see transcribe/streaming/protocol.py):
     TCP on `port`, and the same protocol over WebSocket on `ws_port` when given (None = no
     WebSocket). chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None =
     defaults). Returns the exit status: 128 + the signal that stopped it, or 1 when the engine
-    died of a bug (the server stops rather than leave every stream waiting)."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    died of a bug (the server stops rather than leave every stream waiting). log_level: ours
+    (`log_to_stderr`)."""
+    log_to_stderr(LOG_LEVELS[log_level], "%(asctime)s %(levelname)s %(message)s")
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
                        max_waiting=max_waiting, idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s)

@@ -479,9 +479,9 @@ async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
     freed) and every handler has finished, so a stop prints no cancellation tracebacks."""
     server = StreamServer(model, cfg)
     host, port = await server.start()
-    log.warning("listening on %s:%d (max_streams=%d)", _hostport(host), port, cfg.max_streams)
+    log.info("listening on %s:%d (max_streams=%d)", _hostport(host), port, cfg.max_streams)
     if server.ws_address is not None:
-        log.warning("WebSocket on ws://%s:%d", _hostport(server.ws_address[0]), server.ws_address[1])
+        log.info("WebSocket on ws://%s:%d", _hostport(server.ws_address[0]), server.ws_address[1])
     loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
