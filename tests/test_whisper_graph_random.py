@@ -34,6 +34,9 @@ CONFIGS = {
     # full-graph: one chunk, the while node runs until every row has finished
     "no-loop-check": DecodeOptions(compression_ratio_threshold=None, loop_check_every=4, max_length=80,
                                    temperatures=GREEDY),
+    # an initial prompt moves every position (and the no-speech read) by its length (this
+    # vocabulary spells a space only before a lowercase letter)
+    "prompt": DecodeOptions(max_length=120, temperatures=GREEDY, initial_prompt="names: kubernetes, grpc, nguyen."),
 }
 GPU_CONFIGS = {"default": DecodeOptions(temperatures=GREEDY), **CONFIGS}  # all 445 steps, on the GPU only (slow on a CPU)
 # Where eager's top-2 margin (after the rules) is below EPS, the graph path may pick the other
