@@ -7,6 +7,8 @@
 #                                               # (while_loop_probe.py: which one segfaults)
 #   bash bench/gpu/on_device.sh tests           # GPU tests (-m gpu): every decoder mode, encoder
 #                                               # backend, the streaming kernel, against eager
+#   bash bench/gpu/on_device.sh tests-whisper   # the Whisper GPU tests alone (again, once the
+#                                               # whisper-part calls brought Whisper base)
 #   bash bench/gpu/on_device.sh tests-compile   # the slow torch.compile GPU test, alone
 #   bash bench/gpu/on_device.sh bench-encoder   # 618M model: encoder-only time per dtype
 #   bash bench/gpu/on_device.sh bench-backends  # RTFx from files: torch/eager baseline, cuda-graphs,
@@ -45,7 +47,7 @@ STAGES=()
 MIN_HOURS=1
 BUDGET=
 usage() {
-  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|stream|features|bench|whisper-part"
+  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|stream|features|bench|whisper-part"
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -54,7 +56,7 @@ while [ $# -gt 0 ]; do
     --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
     --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift 2 ;;
     --budget=*) BUDGET=${1#*=}; shift ;;
-    probe|tests|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|bench|stream|features|whisper-part) STAGES+=("$1"); shift ;;
+    probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|bench|stream|features|whisper-part) STAGES+=("$1"); shift ;;
     *) usage ;;
   esac
 done
@@ -150,6 +152,10 @@ stage() {
         tests/test_encoder_precision.py tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
         tests/test_whisper_fallback.py \
         2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    tests-whisper)
+      python3 -m pytest -q -m gpu -rs --durations=10 tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
+        tests/test_whisper_fallback.py 2>&1 | tee "$OUT/gpu_tests_whisper.log"
       ;;
     probe)
       timeout 300 python3 bench/gpu/while_loop_probe.py 2>&1 | tee "$OUT/probe.log"
