@@ -95,6 +95,21 @@ def test_a_broken_line_repeating_a_path_fails_under_its_own_line(tmp_path):
         assert got[bad_line].problem.startswith(f"{bad_line}: duration 'ten' is not a number")
 
 
+def test_a_manifest_line_naming_its_own_folder_or_the_root_fails_alone(tmp_path):
+    """`audio_filepath` "." (or "../m", "/") names a folder with no name of its own to make an
+    output name from: discover raised ValueError ("PosixPath('.') has an empty name"), a
+    traceback that stopped the whole job. Such a line fails under its own line instead."""
+    _touch(tmp_path / "m" / "good.flac")
+    m = tmp_path / "m" / "list.jsonl"
+    m.write_text("".join(json.dumps({"audio_filepath": a}) + "\n" for a in ("good.flac", ".", "../m", "/")))
+    got = {str(f.path): f for f in discover([str(m)])}
+    where = m.resolve()
+    assert got[str(where.parent / "good.flac")].problem is None
+    for line, path in ((2, "."), (3, "../m"), (4, "/")):
+        assert got[f"{where}:{line}"].problem == f"{where}:{line}: audio_filepath {path!r} is a folder, not an audio file"
+    assert output_stems(list(got.values()))[where.parent / "good.flac"] == Path("good")
+
+
 def test_a_missing_input_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         discover([str(tmp_path / "nothing")])

@@ -224,6 +224,8 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
         rel = full.relative_to(base)
     except ValueError:
         rel = Path(full.name)
+    if not rel.name:  # "." or "../m" (the manifest's own folder), "/": no name to make outputs from
+        return broken(f"audio_filepath {audio!r} is a folder, not an audio file")
     text, dur, offset = row.get("text"), row.get("duration"), row.get("offset")
     if text is not None and not isinstance(text, str):
         return broken(f"text {text!r} is not a string", full)
