@@ -251,6 +251,19 @@ def test_usage_and_nothing_to_do_exit_codes(tmp_path):
     assert run_cli(str(tmp_path), "--shard", "3/2").returncode == 2  # checked before the inputs
 
 
+def test_an_empty_input_is_a_usage_error_not_the_working_folder(tmp_path):
+    """An INPUT that is an empty string (`transcribe "$DIR"` with DIR unset) is Path(""), which
+    is ".": the whole working folder (a cron job's $HOME) was walked and transcribed. It exits 2
+    before anything is read or written."""
+    sf.write(tmp_path / "home.wav", np.zeros(16000, dtype=np.float32), 16000)
+    for args in (["", "--out", "out"], [str(tmp_path / "home.wav"), "", "--out", "out"],
+                 ["bench", ""]):
+        p = run_cli(*args, "--model", "none.nemo", cwd=tmp_path)
+        assert p.returncode == 2, (args, p.stderr)
+        assert "is empty" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["home.wav"]
+
+
 @needs_shared
 def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
     """An --out (or bench --json folder) with a file in the way exits 1 naming it, before any

@@ -163,6 +163,8 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
 
+    if "" in inputs:  # `"$DIR"` with DIR unset: Path("") is ".", and the whole working folder would be walked
+        raise _fail("an INPUT is empty (an unset variable?): it names no file or folder", EXIT_USAGE)
     try:
         found = discover(inputs)
     except InputError as e:
