@@ -62,3 +62,32 @@ def test_a_redone_file_keeps_the_formats_its_line_listed_when_audio_model_and_se
     assert plan_resume(files, out / "results.jsonl", True, ident, model="m",
                        outputs=lambda f: [Path(stem(f) + ".json")],
                        names=lambda f: [Path(stem(f) + ".txt")]).kept == {}
+
+
+def test_an_output_another_file_took_since_is_no_longer_the_first_files(tmp_path):
+    """Two input folders into one --out, each with an `a.wav`: the second run writes `a.txt`
+    over the first's, and its line lists it after the first's. A rerun of the first folder took
+    `a.txt` for its own (it exists, its line lists it) and skipped the file, the transcript being
+    the other file's. The last line listing an output owns it: the first file is done again,
+    and a file redone for another format does not keep listing what another file wrote."""
+    a_dir, b_dir, out = tmp_path / "A", tmp_path / "B", tmp_path / "out"
+    for d in (a_dir, b_dir, out):
+        d.mkdir()
+    a, b = a_dir / "a.wav", b_dir / "a.wav"
+    a.write_bytes(b"x")
+    b.write_bytes(b"yy")
+    (out / "a.txt").write_text("b's text")
+    (out / "a.srt").write_text("a's subtitles")
+    ident = {p: file_identity(p) for p in (a, b)}
+    line = lambda p, outputs: {"audio_filepath": str(p), "status": "ok", "model": "m", **ident[p], "outputs": outputs}
+    log = "".join(json.dumps(r) + "\n" for r in (line(a, ["a.txt", "a.srt"]), line(b, ["a.txt"])))
+    (out / "results.jsonl").write_text(log)
+    names = lambda f: [Path("a" + e) for e in (".txt", ".json", ".srt", ".vtt")]
+    for p in (a, b):
+        todo, done, _ = plan_resume([InputFile(p, Path("a.wav"))], out / "results.jsonl", False, ident, model="m",
+                                    outputs=lambda f: [Path("a.txt")], names=names)
+        assert (len(todo), done) == ((1, 0) if p == a else (0, 1)), p
+        (out / "results.jsonl").write_text(log)
+    plan = plan_resume([InputFile(a, Path("a.wav"))], out / "results.jsonl", False, ident, model="m",
+                       outputs=lambda f: [Path("a.json")], names=names)
+    assert plan.kept == {a: ["a.srt"]}

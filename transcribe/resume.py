@@ -110,14 +110,19 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     this run would write for it (paths relative to the log's folder) exist and are among the
     line's own `outputs`, so a rerun with `--format srt` after a txt-only run writes the
     subtitles, a deleted transcript is made again, and a json left by an earlier
-    transcription, or by another file that had the name before, is not taken for this one's)
-    and rewrite the log without the lines of files about to be redone, so every file ends
+    transcription, or by another file that had the name before, is not taken for this one's,
+    nor is one that a later line lists, whose file wrote over it) and rewrite the log without the lines of files about to be redone, so every file ends
     with one line. A line from before `outputs` were logged vouches for any that exist.
     `names`: every output the file's name has this run (all formats): only those can be `kept`
     (a name another file had in an earlier run, before two files' names clashed, is not)."""
     records = read_results(log_path)
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
+    # Each output to the last line that lists it: a later run that gave its name to another file
+    # (an `a.wav` of another input folder, into the same --out) wrote over it, so the earlier
+    # line's file is done again rather than vouched for by the other file's transcript.
+    owner = {p: key for r, key in zip(records, keys) if isinstance(r.get("outputs"), list)
+             for p in r["outputs"] if isinstance(p, str)}
     done, kept = set(), {}
     if not force:
         for r, key in zip(records, keys):
@@ -128,12 +133,12 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
             ):
                 f = by_key[key]
                 wanted = outputs(f)
-                if _vouched(r, wanted, log_path.parent):
+                if _vouched(r, wanted, log_path.parent) and all(owner.get(p.as_posix(), key) == key for p in wanted):
                     done.add(key)
                     continue
                 ours, named = {p.as_posix() for p in wanted}, {p.as_posix() for p in names(f)}
                 kept[key] = [p for p in r.get("outputs") or () if p not in ours and p in named
-                             and (log_path.parent / p).exists()]
+                             and owner.get(p) == key and (log_path.parent / p).exists()]
     keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
     if len(keep) != len(records):
         atomic_write_text(log_path, "".join(results_line(r) for r in keep))
