@@ -264,6 +264,22 @@ def test_an_empty_input_is_a_usage_error_not_the_working_folder(tmp_path):
     assert sorted(q.name for q in tmp_path.iterdir()) == ["home.wav"]
 
 
+def test_an_empty_out_is_a_usage_error_not_the_working_folder(tmp_path):
+    """`--out "$OUT"` with OUT unset was Path("") too: the transcripts, results.jsonl and the
+    lock went into the working folder, over a same-named .txt there (`notes.wav` -> the user's
+    `notes.txt`); `merge` wrote its log there. Each exits 2 before writing anything."""
+    sf.write(tmp_path / "notes.wav", np.zeros(16000, dtype=np.float32), 16000)
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "s1").mkdir()
+    (tmp_path / "s1" / "results.jsonl").write_text("")
+    for args in (["notes.wav", "--out", "", "--model", "none.nemo"], ["notes.wav", "-o", "", "--model", "none.nemo"],
+                 ["bench", "notes.wav", "--out", "", "--model", "none.nemo"], ["merge", "s1", "--out", ""]):
+        p = run_cli(*args, cwd=tmp_path)
+        assert p.returncode == 2 and "--out is empty" in p.stderr, (args, p.stderr)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["notes.txt", "notes.wav", "s1"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 @needs_shared
 def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
     """An --out (or bench --json folder) with a file in the way exits 1 naming it, before any

@@ -90,6 +90,15 @@ def _out_folder(folder: Path) -> None:
         raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
 
 
+def _out_arg(out: Optional[str]) -> Optional[Path]:
+    """An --out as typed: an empty one (`--out "$DIR"` with DIR unset) would be Path(""), which
+    is ".": transcripts, results.jsonl and the lock written into the working folder (a cron
+    job's $HOME), over any same-named .txt there. A usage error instead."""
+    if out == "":
+        raise _fail("--out is empty (an unset variable?): it names no folder", EXIT_USAGE)
+    return None if out is None else Path(out)
+
+
 def _file_path(path: Optional[Path], option: str) -> None:
     """A --json or --onnx that names a folder (or nothing) is a usage error, found before the
     run rather than when its report is written at the end."""
@@ -205,7 +214,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
 )
 def transcribe(
     inputs: List[str] = typer.Argument(..., metavar="INPUT", help="Audio files, directories or .jsonl manifests."),
-    out: Path = typer.Option(Path("transcripts"), "--out", "-o", help="Output directory."),
+    out_arg: str = typer.Option("transcripts", "--out", "-o", metavar="<path>", help="Output directory."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     fmt: str = typer.Option("txt,json", "--format", "-f", help="Comma list of txt,json,srt,vtt (or all)."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
@@ -225,6 +234,7 @@ def transcribe(
     from transcribe.pipeline import run
     from transcribe.writers import needs_words, parse_formats
 
+    out = _out_arg(out_arg)
     try:
         formats = parse_formats(fmt)
     except ValueError as e:
@@ -259,7 +269,7 @@ def bench(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help=BATCH_SECONDS_HELP),
-    out: Optional[Path] = typer.Option(None, "--out", help="Keep transcripts here (default: a temporary folder)."),
+    out_arg: Optional[str] = typer.Option(None, "--out", metavar="<path>", help="Keep transcripts here (default: a temporary folder)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
     encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
     decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
@@ -272,6 +282,7 @@ def bench(
     from transcribe.pipeline import run
 
     _file_path(json_path, "--json")
+    out = _out_arg(out_arg)
     t0 = time.perf_counter()
     files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
@@ -295,12 +306,13 @@ def bench(
                  "several shards keeps one line (an ok line over an error line, else the last).")
 def merge(
     shard_dirs: List[Path] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged results.jsonl."),
+    out_arg: str = typer.Option(..., "--out", "-o", metavar="<path>", help="Folder for the merged results.jsonl."),
 ) -> None:
     from transcribe.merging import merged_records
     from transcribe.resume import OutputBusy, out_dir_lock, writer_of
     from transcribe.writers import atomic_write_text, results_line
 
+    out = _out_arg(out_arg)
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
         raise _fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
