@@ -80,6 +80,19 @@ def test_results_log_drops_a_partial_last_line(tmp_path):
     assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/c"]
 
 
+def test_a_whole_last_line_without_its_newline_is_kept(tmp_path):
+    """A log rewritten by a script (`"\\n".join(lines)`) or an editor that drops the final
+    newline ends in a whole record: it was read as a partial line, skipped, and cut off when the
+    next run opened the log, so a file that run did not cover lost its line for good."""
+    p = tmp_path / "results.jsonl"
+    p.write_text('{"audio_filepath": "/a", "status": "ok"}\n{"audio_filepath": "/b", "status": "ok"}')
+    assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/b"]
+    with ResultsLog(p) as log:
+        log.append({"audio_filepath": "/c", "status": "ok"})
+    assert [r["audio_filepath"] for r in read_results(p)] == ["/a", "/b", "/c"]
+    assert p.read_text().endswith("}\n")
+
+
 def test_damaged_results_lines_are_skipped_with_a_note(tmp_path, capsys):
     """A log edited by hand or damaged on disk must not stop a rerun or a merge with a
     traceback: lines that are not records are skipped, naming the file and line."""

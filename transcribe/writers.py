@@ -272,14 +272,27 @@ class ResultsLog:
 
 
 def _repair_tail(path: Path) -> None:
-    """Drop a trailing partial line (a kill mid-write on a filesystem without atomic appends)."""
+    """Drop a trailing partial line (a kill mid-write on a filesystem without atomic appends).
+    A whole record that lacks only its newline (a log rewritten by a script's "\\n".join, or an
+    editor) gets the newline instead: cutting it lost that file's line."""
     if not path.exists() or path.stat().st_size == 0:
         return
     with open(path, "rb+") as f:
         data = f.read()
         if data.endswith(b"\n"):
             return
-        f.truncate(data.rfind(b"\n") + 1)
+        if isinstance(_record(data[data.rfind(b"\n") + 1:]), dict):
+            f.write(b"\n")
+        else:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _record(raw: bytes):
+    """A log line parsed, None if it is not JSON (or not UTF-8)."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+        return None
 
 
 def read_results(path: Path) -> list[dict]:
@@ -289,12 +302,11 @@ def read_results(path: Path) -> list[dict]:
     out = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            if not (raw.endswith(b"\n") and raw.strip()):
-                continue  # a blank line, or a last line a killed run left half written
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
-                record = None
+            if not raw.strip():
+                continue  # a blank line
+            record = _record(raw)
+            if not raw.endswith(b"\n") and not isinstance(record, dict):
+                continue  # a last line a killed run left half written (a whole one only lost its newline)
             if not (isinstance(record, dict) and isinstance(record.get("audio_filepath"), str)
                     and _is_offset(record.get("offset"))):
                 # Edited by hand or damaged on disk: a note, and its file, with no line that
