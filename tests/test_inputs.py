@@ -110,6 +110,22 @@ def test_a_manifest_line_naming_its_own_folder_or_the_root_fails_alone(tmp_path)
     assert output_stems(list(got.values()))[where.parent / "good.flac"] == Path("good")
 
 
+def test_a_manifest_path_holding_a_nul_fails_alone(tmp_path):
+    """A NUL (`"a\\u0000b.wav"`, a damaged manifest) is in no file name: every look at the path
+    raised ValueError ("embedded null byte"), and the run died with a traceback once the model had
+    loaded. The line fails under its own line instead, and the path it names is never opened."""
+    from transcribe.resume import file_identity
+
+    _touch(tmp_path / "ok.wav")
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"audio_filepath": "ok.wav"}) + "\n" + json.dumps({"audio_filepath": "a\0b.wav"}) + "\n")
+    got = {str(f.path): f for f in discover([str(m)])}
+    bad = f"{m.resolve()}:2"
+    assert set(got) == {str((tmp_path / "ok.wav").resolve()), bad}
+    assert got[bad].problem == f"{bad}: audio_filepath 'a\\x00b.wav' holds a NUL character, which no file name can"
+    assert all(file_identity(f.path) for f in got.values())  # what the run does first with every input
+
+
 def test_a_missing_input_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         discover([str(tmp_path / "nothing")])

@@ -218,6 +218,8 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
     audio = row.get("audio_filepath")
     if not isinstance(audio, str) or not audio.strip():
         return broken("no audio_filepath" if audio is None else f"audio_filepath {audio!r} is not a path")
+    if "\0" in audio:  # a damaged line: every look at such a path raises ValueError, not OSError
+        return broken(f"audio_filepath {audio!r} holds a NUL character, which no file name can")
     audio_path = Path(audio).expanduser()
     full = absolute(audio_path if audio_path.is_absolute() else base / audio_path)
     try:
