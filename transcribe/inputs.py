@@ -89,7 +89,11 @@ def discover(inputs: list[str]) -> list[InputFile]:
         elif kind == "dir":
             found.extend(_walk(p))
         elif kind == "file" and p.suffix.lower() in MANIFEST_EXTENSIONS:
-            found.extend(read_manifest(p))
+            try:
+                found.extend(read_manifest(p))
+            except OSError as e:  # no permission to read it, an I/O error: it fails alone, as a folder that cannot be listed
+                found.append(InputFile(absolute(p), Path(p.name),
+                                       problem=f"{arg}: cannot read this manifest ({e.strerror or e})"))
         else:
             # A missing input among others is still an input: it fails with a reason in
             # results.jsonl (a file list from yesterday, one since deleted; a folder a cron
