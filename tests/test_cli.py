@@ -522,7 +522,7 @@ def test_a_run_into_a_merged_folder_writes_its_own_outputs_and_leaves_the_shards
                     "--format", "txt")
         assert p.returncode == 0, p.stderr
     s2_files = {q: (q.read_bytes(), q.stat().st_mtime_ns) for q in (tmp_path / "s2").glob("*.txt")}
-    assert len(s2_files) == 2
+    assert 0 < len(s2_files) < 4  # shards go by a hash of the name (inputs.shard): 1 of the 4 here
     stale = tmp_path / "s1" / next(iter(s2_files)).name
     stale.write_text("another model's words\n")
 
@@ -541,7 +541,7 @@ def test_a_run_into_a_merged_folder_writes_its_own_outputs_and_leaves_the_shards
     assert sorted(o for r in rows for o in r["outputs"]) == sorted(
         f"{Path(f).stem}.{ext}" for f in files for ext in ("txt", "json"))
     stderr, rows = rerun(tmp_path / "s1", "txt")
-    assert "2 files transcribed, 0 failed, 2 already done" in stderr
+    assert f"{len(s2_files)} files transcribed, 0 failed, {4 - len(s2_files)} already done" in stderr
     assert stale.read_text() != "another model's words\n"
     assert {q: (q.read_bytes(), q.stat().st_mtime_ns) for q in (tmp_path / "s2").glob("*.txt")} == s2_files
 

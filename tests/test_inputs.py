@@ -241,7 +241,7 @@ def test_shards_partition_the_inputs(tmp_path):
     files = discover([str(tmp_path)])
     parts = [shard(files, parse_shard(f"{i}/3")) for i in (1, 2, 3)]
     assert sorted(f.path for p in parts for f in p) == sorted(f.path for f in files)
-    assert [len(p) for p in parts] == [4, 3, 3]
+    assert all(parts) and all(p == sorted(p, key=lambda f: str(f.key)) for p in parts)
     assert shard(files, None) == files
     for bad in ("4/3", "0/2", "1/0", "a/b", "1-2"):
         with pytest.raises(ValueError, match="--shard"):
@@ -322,3 +322,21 @@ def test_a_folder_that_cannot_be_listed_is_a_failed_input_not_skipped_silently(t
     failed = [f for f in files if f.problem is not None]
     assert failed and all("cannot list this folder (File name too long)" in f.problem for f in failed)
     assert all(f.problem.startswith(str(f.path)) for f in failed)
+
+
+def test_a_file_arriving_between_shard_tasks_moves_no_other_file(tmp_path):
+    """The tasks of an array job start minutes apart: a file written into the input folder
+    between two starts must not move the others between shards (taking every N-th file of the
+    sorted list shifted every file after it: files ran twice and others in no shard). Shards
+    go by output name, so a copy of the data mounted elsewhere splits the same way."""
+    for i in range(200):
+        _touch(tmp_path / "a" / f"{i:03d}.wav")
+    before = [shard(discover([str(tmp_path / "a")]), (i, 4)) for i in (1, 2, 3, 4)]
+    _touch(tmp_path / "a" / "000a.wav")  # sorts near the start
+    after = [shard(discover([str(tmp_path / "a")]), (i, 4)) for i in (1, 2, 3, 4)]
+    names = [{f.stem for f in p} for p in before]
+    assert all(names[i] <= {f.stem for f in after[i]} for i in range(4))
+    assert sum(map(len, after)) == 201 and all(35 <= len(p) <= 65 for p in before)
+    (tmp_path / "a").rename(tmp_path / "b")  # another mount point of the same data
+    assert [{f.stem for f in shard(discover([str(tmp_path / "b")]), (i, 4))} for i in (1, 2, 3, 4)] == [
+        {f.stem for f in p} for p in after]

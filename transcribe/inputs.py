@@ -6,6 +6,7 @@ is one (for WER in `transcribe bench`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -288,10 +289,22 @@ def parse_shard(spec: str) -> tuple[int, int]:
 
 
 def shard(files: list[InputFile], part: tuple[int, int] | None) -> list[InputFile]:
-    """The files of shard (I, N) (`parse_shard`; 1-based I): a deterministic split by position
-    in sorted order. None: all of them."""
+    """The files of shard (I, N) (`parse_shard`; 1-based I), in sorted order; None: all of them.
+
+    A file's shard is a hash of its output name (`talks/a`), not its place in the list: the
+    tasks of an array job start minutes apart, and a file that arrives (or goes) in between
+    moved every file after it to the next shard when shards took every N-th file, so some
+    files ran twice and others in no shard, every task exiting 0. The name, not the absolute
+    path, so that nodes mounting the data at other paths agree. Shards hold N-th parts of the
+    files only on average (1000 files in 10 shards: about 100 +- 10 each)."""
     if part is None:
         return files
     i, n = part
     ordered = sorted(files, key=lambda f: str(f.key))
-    return ordered[i - 1 :: n]
+    return [f for f in ordered if _shard_of(f, n) == i - 1]
+
+
+def _shard_of(f: InputFile, n: int) -> int:
+    name = f.stem.as_posix() if f.stem is not None else str(f.key)
+    digest = hashlib.sha256(name.encode("utf-8", "surrogateescape")).digest()
+    return int.from_bytes(digest[:8], "big") % n
