@@ -278,6 +278,11 @@ def test_an_empty_out_is_a_usage_error_not_the_working_folder(tmp_path):
         assert p.returncode == 2 and "--out is empty" in p.stderr, (args, p.stderr)
     assert sorted(q.name for q in tmp_path.iterdir()) == ["notes.txt", "notes.wav", "s1"]
     assert (tmp_path / "notes.txt").read_text() == "mine"
+    # `merge "$S1" s1` with S1 unset: the working folder's own log is no shard's
+    (tmp_path / "results.jsonl").write_text(json.dumps({"audio_filepath": "/x.wav", "status": "ok", "text": "x"}) + "\n")
+    p = run_cli("merge", "", "s1", "--out", "all", cwd=tmp_path)
+    assert p.returncode == 2 and "a SHARD_OUT_DIR is empty" in p.stderr, p.stderr
+    assert not (tmp_path / "all").exists()
 
 
 @needs_shared

@@ -305,13 +305,16 @@ def bench(
                  "line's `outputs` name them relative to --out (`../DIR_1/talks/a.txt`). A file listed by "
                  "several shards keeps one line (an ok line over an error line, else the last).")
 def merge(
-    shard_dirs: List[Path] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),
+    shard_args: List[str] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),
     out_arg: str = typer.Option(..., "--out", "-o", metavar="<path>", help="Folder for the merged results.jsonl."),
 ) -> None:
     from transcribe.merging import merged_records
     from transcribe.resume import OutputBusy, out_dir_lock, writer_of
     from transcribe.writers import atomic_write_text, results_line
 
+    if "" in shard_args:  # "$S1" with S1 unset: Path("") is ".", whose log would be merged as a shard's
+        raise _fail("a SHARD_OUT_DIR is empty (an unset variable?): it names no folder", EXIT_USAGE)
+    shard_dirs = [Path(d) for d in shard_args]
     out = _out_arg(out_arg)
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
