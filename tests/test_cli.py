@@ -605,3 +605,29 @@ def test_python_dash_m_transcribe_is_the_command():
     p = subprocess.run([sys.executable, "-m", "transcribe", "bench", "--help"], capture_output=True, text=True,
                        timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 0 and "Usage: transcribe bench" in p.stdout, p.stderr
+
+
+def test_a_shard_log_that_cannot_be_read_is_named_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A shard's results.jsonl without read permission (another user's shard) raised
+    PermissionError out of merge as a traceback; it exits 1 naming the log, writing nothing."""
+    import builtins
+
+    from transcribe.cli import main
+
+    for d in ("s1", "s2"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "results.jsonl").write_text(json.dumps({"audio_filepath": f"/{d}.wav", "status": "ok"}) + "\n")
+    locked, real_open = tmp_path / "s2" / "results.jsonl", builtins.open
+
+    def refusing_open(file, *args, **kwargs):  # root reads any file: refuse as chmod 0 would
+        if str(file) == str(locked):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", refusing_open)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "all")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"cannot read {locked}: Permission denied" in err and "Traceback" not in err
+    assert not (tmp_path / "all" / "results.jsonl").exists()

@@ -326,7 +326,10 @@ def merge(
         raise _fail("; ".join(f"{d} is still being written by a transcribe run" + (f" (pid {pid})" if pid else "")
                               for d, pid in running) + ": merge once it has finished", EXIT_NOTHING_RAN)
     _out_folder(out)
-    merged = merged_records(shard_dirs, out)
+    try:
+        merged = merged_records(shard_dirs, out)
+    except OSError as e:  # a shard's log that cannot be read (permissions, an I/O error)
+        raise _fail(f"cannot read {e.filename or 'a shard log'}: {e.strerror or e}", EXIT_NOTHING_RAN)
     try:
         with out_dir_lock(out):  # not while a run writes there
             atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged))
