@@ -275,6 +275,16 @@ def test_segments_of_a_file_are_inputs_of_their_own(tmp_path):
     assert [str(f.stem) for f in files[:4]] == ["long_0.00-15.00", "long_15.50-28.12", "long_40.00-end", "whole"]
 
 
+def test_segments_whose_times_print_alike_get_names_of_their_own(tmp_path):
+    """Two segments 3 ms apart printed as `long_1.00-4.00` both: the second's outputs were
+    written over the first's. Those print their times to the ms; the others keep 10 ms."""
+    _touch(tmp_path / "long.flac")
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps({"audio_filepath": "long.flac", "offset": o, "duration": 3.0}) + "\n"
+                         for o in (1.001, 1.004, 9.0)))
+    assert [str(f.stem) for f in discover([str(m)])] == ["long_1.001-4.001", "long_1.004-4.004", "long_9.00-12.00"]
+
+
 def test_an_extension_kept_for_a_shared_stem_never_meets_another_files_stem(tmp_path):
     """`a.flac` and `a.wav` keep their extensions (`a.flac`, `a.wav`), and `a.flac.mp3`'s own
     stem would be `a.flac`: it keeps its full name too, so no output overwrites another."""

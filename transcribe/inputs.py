@@ -265,15 +265,25 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
             break
         for p in clash:
             base[p] = named[p]
-    return {f.key: f.stem or _segment_stem(base.get(f.path, f.rel.with_suffix("")), f) for f in files}
+    out = {f.key: f.stem or _segment_stem(base.get(f.path, f.rel.with_suffix("")), f) for f in files}
+    # Segments whose times print alike to 10 ms (offsets 1.001 and 1.004) would write one set of
+    # files, the second over the first: those print their times to the ms, and finer, until not.
+    for digits in range(3, 7):
+        taken = Counter(out.values())
+        alike = [f for f in files if f.stem is None and f.offset is not None and taken[out[f.key]] > 1]
+        if not alike:
+            break
+        for f in alike:
+            out[f.key] = _segment_stem(base.get(f.path, f.rel.with_suffix("")), f, digits)
+    return out
 
 
-def _segment_stem(stem: Path, f: InputFile) -> Path:
+def _segment_stem(stem: Path, f: InputFile, digits: int = 2) -> Path:
     """A segment's outputs are named for its times in the file: `talk_15.50-28.13`."""
     if f.offset is None:
         return stem
-    end = f"{f.offset + f.duration:.2f}" if f.duration is not None else "end"
-    return stem.with_name(f"{stem.name}_{f.offset:.2f}-{end}")
+    end = f"{f.offset + f.duration:.{digits}f}" if f.duration is not None else "end"
+    return stem.with_name(f"{stem.name}_{f.offset:.{digits}f}-{end}")
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
