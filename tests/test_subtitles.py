@@ -190,6 +190,20 @@ def test_a_segment_of_no_length_is_shown_in_the_silence_around_its_time():
     assert (round(b.start, 3), round(b.end, 3)) == (2.0, 3.0)
 
 
+def test_a_last_cue_of_no_length_stays_within_the_audio():
+    """The last cue has only the audio's end after it, not all time: the rnnt_tiny fixture on
+    the 816.105 s 100utt_concat file gave a last cue 816.010-817.010, past the file's end,
+    where the stitched times (`stitching.stitch`) put its words at 816.010. It takes its
+    moment before the end; with no room there either, its words join the cue before it."""
+    from transcribe.stitching import stitch
+
+    piece = Result("one. two", [Word("one.", 0.2, 9.0), Word("two", 9.95, 10.4)],
+                   [Segment("one.", 0.2, 9.0), Segment("two", 9.95, 10.4)])
+    assert _spans(stitch([piece], [0.0], 9.95)) == [(0.2, 9.0, "one."), (9.0, 9.95, "two")]
+    assert _spans(stitch([piece], [0.0], 9.0)) == [(0.2, 9.0, "one. two")]
+    assert _spans(stitch([piece], [0.0])) == [(0.2, 9.0, "one."), (9.95, 10.4, "two")]  # no end known
+
+
 def test_overlapping_segments_end_the_earlier_cue_and_out_of_order_ones_wait():
     """Whisper's word times can end a segment after the next begins, or move one past the
     next: the earlier cue ends where the later begins (every cue appears as its words are

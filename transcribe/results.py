@@ -37,7 +37,10 @@ class Segment:
 class Result:
     """Transcript of one utterance: text, word and segment timestamps, the token ids, and the
     language it was transcribed in where the model says (Whisper's multilingual models), with
-    the probability the model gave it where it detected it (file_language.FileLanguages)."""
+    the probability the model gave it where it detected it (file_language.FileLanguages).
+    `audio_end`: where the audio it transcribes ends, in the seconds of its times (the file's,
+    or a manifest segment's, end: `stitching.stitch` sets it), so subtitles stop there; None
+    when unknown."""
 
     text: str
     words: list[Word] = field(default_factory=list)
@@ -45,3 +48,4 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     language: str | None = None
     language_probability: float | None = None
+    audio_end: float | None = None
