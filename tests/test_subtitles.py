@@ -204,6 +204,17 @@ def test_a_last_cue_of_no_length_stays_within_the_audio():
     assert _spans(stitch([piece], [0.0])) == [(0.2, 9.0, "one."), (9.95, 10.4, "two")]  # no end known
 
 
+def test_a_first_cue_of_no_length_stays_within_a_manifest_segment():
+    """A manifest segment's audio begins at its offset, not at 0: a first cue of no length at
+    its start (a TDT word of duration 0 with its full stop) took half a second before it,
+    15.0-16.0 for the segment from 15.5 s, a time whose audio is not in the segment."""
+    from transcribe.stitching import stitch
+
+    piece = Result("a. b", [Word("a.", 0.0, 0.0), Word("b", 2.0, 2.5)], [Segment("a.", 0.0, 0.0), Segment("b", 2.0, 2.5)])
+    assert _spans(stitch([piece], [15.5], 30.0)) == [(15.5, 16.5, "a."), (17.5, 18.0, "b")]
+    assert _spans(stitch([piece], [0.0], 30.0))[0] == (0.0, 1.0, "a.")
+
+
 def test_overlapping_segments_end_the_earlier_cue_and_out_of_order_ones_wait():
     """Whisper's word times can end a segment after the next begins, or move one past the
     next: the earlier cue ends where the later begins (every cue appears as its words are

@@ -38,9 +38,9 @@ class Result:
     """Transcript of one utterance: text, word and segment timestamps, the token ids, and the
     language it was transcribed in where the model says (Whisper's multilingual models), with
     the probability the model gave it where it detected it (file_language.FileLanguages).
-    `audio_end`: where the audio it transcribes ends, in the seconds of its times (the file's,
-    or a manifest segment's, end: `stitching.stitch` sets it), so subtitles stop there; None
-    when unknown."""
+    `audio_start`, `audio_end`: where the audio it transcribes begins and ends, in the seconds
+    of its times (0 and the file's end, or a manifest segment's offset and end:
+    `stitching.stitch` sets them), so subtitles stay inside; `audio_end` None when unknown."""
 
     text: str
     words: list[Word] = field(default_factory=list)
@@ -48,4 +48,5 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     language: str | None = None
     language_probability: float | None = None
+    audio_start: float = 0.0
     audio_end: float | None = None

@@ -28,11 +28,12 @@ def stitch(parts: list[Result], offsets: list[float], duration: float = math.inf
     file: a transducer's last token can end a few frames past its audio (its TDT duration, the
     80 ms frame grid), which would overlap the next piece's first word and subtitle cue, or
     run past the file (NeMo's word times do, on every fixture file but RNN-T's: up to 0.3 s).
-    Times inside the audio are NeMo's, unchanged. The result's `audio_end` is the file's end,
-    for the subtitles' last cue (`subtitles.cues`)."""
+    Times inside the audio are NeMo's, unchanged. The result's `audio_start` and `audio_end`
+    are the first offset and the file's end, which the subtitles' cues keep within
+    (`subtitles.cues`)."""
     end = None if math.isinf(duration) else duration
     if len(parts) == 1:
-        return replace(shift(parts[0], offsets[0], duration), audio_end=end)
+        return replace(shift(parts[0], offsets[0], duration), audio_start=offsets[0], audio_end=end)
     moved = [shift(p, o, until) for p, o, until in zip(parts, offsets, [*offsets[1:], duration])]
     language = main_language(moved)
     return replace(
@@ -42,6 +43,7 @@ def stitch(parts: list[Result], offsets: list[float], duration: float = math.inf
         segments=[s for p in moved for s in p.segments],
         tokens=[t for p in moved for t in p.tokens],
         language=language,
+        audio_start=offsets[0],
         audio_end=end,
         # The surest detection of the file's language: the piece that decided it (the pieces
         # decoded in it after that were not asked, file_language), not the first piece's.

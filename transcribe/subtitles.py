@@ -102,7 +102,7 @@ def cues(result) -> list[Cue]:
             drafts.append(_Draft(seg.start if k == 0 else group[0].start,
                                  seg.end if k == len(groups) - 1 else group[-1].end, group))
     end = math.inf if result.audio_end is None else result.audio_end
-    return [Cue(d.start, d.end, wrap(d.tokens)) for d in _settle(drafts, end)]
+    return [Cue(d.start, d.end, wrap(d.tokens)) for d in _settle(drafts, result.audio_start, end)]
 
 
 def _ms(seconds: float) -> int:
@@ -110,7 +110,7 @@ def _ms(seconds: float) -> int:
     return round(seconds * 1000)
 
 
-def _settle(drafts: list[_Draft], end: float = math.inf) -> list[_Draft]:
+def _settle(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) -> list[_Draft]:
     """The cues in text order, none overlapping the one before, none of zero length. A
     segment's times can overlap the next one's (Whisper's word times move segment ends past
     the next start; RNN-T word times overlap), run out of order (word times moved a segment
@@ -118,9 +118,10 @@ def _settle(drafts: list[_Draft], end: float = math.inf) -> list[_Draft]:
     or its own tail, begins (`stitching.stitch`, `whisper_engine._decode_tails`), so a segment
     whose words were put past that point starts and ends there, as does a one-word segment
     whose word has no length (a TDT token of duration 0). A player skips or flashes such a
-    cue, and overlapping ones stack on screen. `end`: where the audio ends (no cue runs past)."""
+    cue, and overlapping ones stack on screen. `begin`, `end`: where the audio begins and
+    ends (a manifest segment's audio begins at its offset): no cue is shown outside."""
     _order(drafts)
-    return _give_time(drafts, end)
+    return _give_time(drafts, begin, end)
 
 
 def _order(drafts: list[_Draft]) -> None:
@@ -138,18 +139,19 @@ def _order(drafts: list[_Draft]) -> None:
             d.end = d.start
 
 
-def _give_time(drafts: list[_Draft], end: float = math.inf) -> list[_Draft]:
+def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) -> list[_Draft]:
     """A cue of zero length gets up to COLLAPSED_CUE_SECONDS of the silence around it, centred
     on its time where the cues before and after leave room: it stays where it was in the
     file (a zero-length time is where its words were capped, or where its word was) and no
     other cue moves. With no silence on either side (cues meeting at its time), its words
     join the cue after it, which begins at that time: no words are lost and no time is made
-    up for them, at the cost of a fuller cue. The last cue has until `end` (the audio's end:
-    a cue past it would outlast the file); at the end with no room, it joins the cue before."""
+    up for them, at the cost of a fuller cue. The first cue has from `begin`, the last until
+    `end` (the audio's start and end: a cue outside them shows words over audio that is not
+    theirs, or outlasts the file); at the end with no room, it joins the cue before."""
     out: list[_Draft] = []
     for i, d in enumerate(drafts):
         if _ms(d.end) == _ms(d.start):
-            before = out[-1].end if out else 0.0
+            before = out[-1].end if out else min(begin, d.start)
             after = drafts[i + 1].start if i + 1 < len(drafts) else max(end, d.start)
             d.start = max(before, d.start - COLLAPSED_CUE_SECONDS / 2)
             d.end = min(after, d.start + COLLAPSED_CUE_SECONDS)
