@@ -135,6 +135,12 @@ class GreedyDecoder:
         self.language_ids = tokenizer.languages  # code -> token id
         self.languages = {i: code for code, i in self.language_ids.items()}  # token id -> code
         self.detect_language = options.language is None and tokenizer.is_multilingual
+        # Every window's language when none is detected: the one the prompt names (None when
+        # detected, where "en" only holds the slot, and for English-only models, whose prompt
+        # names none). A silent piece, never decoded, takes it too (WhisperEngine).
+        s = self.sot_index
+        named = self.languages.get(self.prompt[s + 1]) if len(self.prompt) > s + 1 else None
+        self.prompt_language = None if self.detect_language else named
         self.n_steps = options.max_length - len(self.prompt)  # tokens a window may get
         self.graphs = WhisperGraphs(self)  # eager until set_mode() picks a mode
         self.cpu_threads = DECODER_THREADS  # the token loops' threads on the CPU, until reserve() measures
@@ -269,7 +275,7 @@ class GreedyDecoder:
                 logits = self.model.decoder(torch.cat([prompt[:, :s + 1], rest], 1), cache)
         else:
             logits = self.model.decoder(prompt, cache)
-            languages = [self.languages.get(self.prompt[s + 1]) if len(self.prompt) > s + 1 else None] * n
+            languages = [self.prompt_language] * n
         no_speech = torch.zeros(n)
         if self.tok.no_speech >= 0:  # OpenAI reads it at the <|startoftranscript|> position
             no_speech = logits[:, s].softmax(-1)[:, self.tok.no_speech].cpu()

@@ -242,7 +242,10 @@ class WhisperEngine:
         the piece's language. languages: with `detects_language`, a piece's language where its
         file's is known (None: detect it), as `Engine.transcribe_features` says."""
         languages = languages or [None] * len(features)
-        out: list[Result | None] = [Result(text="") if float(f.amax()) <= SILENCE_LOG_MEL else None for f in features]
+        # A silent piece names the language it would have been decoded in, as a decoded one does.
+        out: list[Result | None] = [Result(text="", language=lang or self.decoder.prompt_language)
+                                    if float(f.amax()) <= SILENCE_LOG_MEL else None
+                                    for f, lang in zip(features, languages)]
         reached: dict[int, float] = {}  # piece -> seconds its text reached
         order = sorted((i for i, r in enumerate(out) if r is None), key=lambda i: -features[i].shape[1])
         for s in range(0, len(order), self.batch_size):

@@ -108,6 +108,27 @@ def test_given_languages_fix_their_rows_and_the_rest_detect(model, audio, mode):
 
 
 @torch.inference_mode()
+def test_a_silent_piece_names_the_language_a_decoded_one_would(model):
+    """A silent piece is not decoded (whisper_engine.SILENCE_LOG_MEL), yet its result names the
+    language a decoded piece's does: the one given (--language de) or its file's; none where
+    it was to be detected. A silent file's JSON had no `language` where a noisy one's had."""
+    import numpy as np
+
+    from engines.whisper_engine import WhisperEngine, WhisperFrontend
+
+    frontend = WhisperFrontend(model.dims.n_mels)
+    silence = torch.from_numpy(frontend(np.zeros(16000, np.float32)))
+    noise = torch.from_numpy(frontend(np.random.default_rng(0).standard_normal(16000).astype(np.float32)))
+    fixed = WhisperEngine(random_decoder(model, DecodeOptions(language="de", max_length=60, temperatures=GREEDY)),
+                          word_timestamps=False)
+    quiet, decoded = fixed.transcribe_features([silence, noise], continuations=0)
+    assert quiet.text == "" and quiet.language == decoded.language == "de"
+    assert "language" in json.loads(write_json(quiet))
+    auto = WhisperEngine(random_decoder(model, DETECT), word_timestamps=False)
+    assert [r.language for r in auto.transcribe_features([silence, silence], ["en", None])] == ["en", None]
+
+
+@torch.inference_mode()
 def test_fallback_samples_keep_the_windows_language(model, audio, monkeypatch):
     """Every window fails (logprob_threshold 0): each temperature samples it best_of times in
     the language the greedy pass detected, and the winner carries it."""
