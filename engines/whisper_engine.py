@@ -48,8 +48,10 @@ PIECE_SECONDS = 20.0
 # both, past OpenAI's no-speech rule (faster-whisper: "you" per 30 s window of 70 s of zeros).
 SILENCE_LOG_MEL = -0.6
 # A window whose text stops (its last timestamp) this much before its audio does is decoded on
-# from there, as OpenAI's transcribe seeks to the last timestamp: base can stop at 27 s of a 30 s window of
-# speech, or after one sentence of a 14 s piece (the rest of it was simply missing). At most
+# from there: base can stop at 27 s of a 30 s window of speech, or after one sentence of a 14 s
+# piece (the rest of it was simply missing). OpenAI's transcribe seeks back to the last
+# timestamp only when the last segment is left open; a closed one it takes as the end of the
+# speech (and so lost that sentence). At most
 # CONTINUATIONS times per piece; a tail that is silence (SILENCE_LOG_MEL) is not decoded, and
 # one whose no-speech probability passes TAIL_NO_SPEECH is dropped. Over the long-form joins,
 # tails of ~1 s (after the last word) gave only noise words ("Thank you." at no-speech
