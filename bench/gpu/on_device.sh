@@ -153,8 +153,8 @@ stage() {
         tests/test_whisper_fallback.py \
         2>&1 | tee "$OUT/gpu_tests.log"
       ;;
-    tests-whisper)
-      python3 -m pytest -q -m gpu -rs --durations=10 tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
+    tests-whisper)  # under xdist as `tests`: a capture that segfaults costs one test, not the rest
+      python3 -m pytest -q -m gpu -rs --durations=10 -n 4 tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
         tests/test_whisper_fallback.py 2>&1 | tee "$OUT/gpu_tests_whisper.log"
       ;;
     probe)
