@@ -20,7 +20,8 @@
 #   bash bench/gpu/on_device.sh features        # 618M model: log-mel in the workers vs on the GPU,
 #                                               # micro (batched vs per piece) and end to end
 #   bash bench/gpu/on_device.sh bench-whisper   # Whisper base: decoder-only time per decoder mode
-#                                               # (fp16, fp32), tokens against eager
+#                                               # (fp16, fp32; full-graph in a process of its own),
+#                                               # tokens against eager
 #   bash bench/gpu/on_device.sh whisper-part    # with one .gpukit_wN/ carried: keep that part of
 #                                               # Whisper base in /tmp; the last one installs it
 #                                               # (one call per part, before the .gpukit call)
@@ -183,9 +184,14 @@ stage() {
         --nemo-python python3 --nemo-dtypes float32,bfloat16
       ;;
     bench-whisper)  # needs Whisper base from the whisper-part calls
+      # full-graph in a process of its own (with eager again, for its speed-up), as in bench-modes:
+      # the script reports only at its end, so a capture segfault would take every mode's figures down.
       for dt in float16 float32; do
-        python3 bench/whisper_decoder_modes.py --device cuda --dtype "$dt" --files 16 --batch 16 --reps 5 \
-          --manifest "$AUDIO/manifest.jsonl" --json "$OUT/whisper_modes_$dt.json" 2>&1 | tee "$OUT/whisper_modes_$dt.log"
+        for modes in unrolled full-graph; do
+          python3 bench/whisper_decoder_modes.py --device cuda --dtype "$dt" --modes "$modes" --files 16 --batch 16 \
+            --reps 5 --manifest "$AUDIO/manifest.jsonl" --json "$OUT/whisper_modes_${dt}_$modes.json" 2>&1 \
+            | tee -a "$OUT/whisper_modes_$dt.log"
+        done
       done
       ;;
     bench)
