@@ -185,7 +185,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
         _out_folder(out)
     if report is not None:
         _writable_folder(report.parent, "--json")
-    if not files:  # more shards than files (an array job sized for a bigger set): no model needed
+    if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
         typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
         return files, None, 0.0, None
     t0 = time.perf_counter()
