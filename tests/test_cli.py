@@ -283,6 +283,9 @@ def test_an_empty_out_is_a_usage_error_not_the_working_folder(tmp_path):
     p = run_cli("merge", "", "s1", "--out", "all", cwd=tmp_path)
     assert p.returncode == 2 and "a SHARD_OUT_DIR is empty" in p.stderr, p.stderr
     assert not (tmp_path / "all").exists()
+    # export-engine --cache-dir "$C": the engine and its ONNX would be cached in the working folder
+    p = run_cli("export-engine", "--model", "none.nemo", "--onnx-only", "--cache-dir", "", cwd=tmp_path)
+    assert p.returncode == 2 and "--cache-dir is empty" in p.stderr, p.stderr
 
 
 @needs_shared

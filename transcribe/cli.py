@@ -90,12 +90,13 @@ def _out_folder(folder: Path) -> None:
         raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
 
 
-def _out_arg(out: Optional[str]) -> Optional[Path]:
-    """An --out as typed: an empty one (`--out "$DIR"` with DIR unset) would be Path(""), which
-    is ".": transcripts, results.jsonl and the lock written into the working folder (a cron
-    job's $HOME), over any same-named .txt there. A usage error instead."""
+def _out_arg(out: Optional[str], option: str = "--out") -> Optional[Path]:
+    """A folder option as typed: an empty one (`--out "$DIR"` with DIR unset) would be Path(""),
+    which is ".": transcripts, results.jsonl and the lock written into the working folder (a
+    cron job's $HOME), over any same-named .txt there (export-engine's --cache-dir: engines).
+    A usage error instead."""
     if out == "":
-        raise _fail("--out is empty (an unset variable?): it names no folder", EXIT_USAGE)
+        raise _fail(f"{option} is empty (an unset variable?): it names no folder", EXIT_USAGE)
     return None if out is None else Path(out)
 
 
@@ -436,7 +437,7 @@ def serve(
 def export_engine_cmd(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     precision: str = typer.Option("fp16", "--precision", help="fp16, bf16 or fp32 (layer norms and softmax stay fp32)."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Engine cache (default: $TRANSCRIBE_TRT_CACHE, else "
+    cache_arg: Optional[str] = typer.Option(None, "--cache-dir", metavar="<path>", help="Engine cache (default: $TRANSCRIBE_TRT_CACHE, else "
                                              "$XDG_CACHE_HOME/transcribe/trt, where runs look; runs find another "
                                              "folder when $TRANSCRIBE_TRT_CACHE names it)."),
     onnx: Optional[Path] = typer.Option(None, "--onnx", help="Also write the encoder ONNX here."),
@@ -446,6 +447,7 @@ def export_engine_cmd(
     from transcribe.export_engine import ExportError, ExportRequest, export_engine
 
     _file_path(onnx, "--onnx")
+    cache_dir = _out_arg(cache_arg, "--cache-dir")
     try:
         req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, batch_seconds=batch_seconds)
     except ValueError as e:
