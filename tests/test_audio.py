@@ -144,3 +144,37 @@ def test_mp3_decodes_when_libsndfile_supports_it() -> None:
     # The header duration is an estimate for MP3; the decode agrees to within a few frames.
     assert len(x) / 16000 == pytest.approx(duration, abs=0.1)
     assert np.abs(x).max() > 0.01  # speech, not silence
+
+
+@needs_shared
+def test_a_vbr_mp3_reads_in_our_blocks_as_ffmpeg_decodes_it(tmp_path: Path) -> None:
+    """libsndfile 1.2.2 decodes a VBR MP3 wrongly when it is read in small blocks: a 48 kHz
+    stereo LAME VBR file read 4096 frames at a time differs from one whole read, which equals
+    FFmpeg's decoding, by up to 0.1 over ~0.2 s stretches. Our ~2 MB blocks (BLOCK_BYTES) read
+    it as FFmpeg does; this fails if they shrink to where libsndfile goes wrong."""
+    av = pytest.importorskip("av")
+    from transcribe.audio import resample
+    from transcribe.decode import _SoundfileSource
+
+    speech, rate = sf.read(SPEECH / "longform" / "librispeech_test-other_1688-142285_concat.flac", dtype="float32")
+    y = resample(speech[: 40 * rate], rate, 48000)
+    path = tmp_path / "vbr.mp3"
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libmp3lame", rate=48000, layout="stereo")
+        stream.codec_context.qscale, stream.codec_context.flags = 4, stream.codec_context.flags | 2  # VBR (QSCALE)
+        planes = np.stack([y, 0.8 * y])
+        for i in range(0, planes.shape[1], 48000):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(planes[:, i:i + 48000]), format="fltp",
+                                               layout="stereo")
+            frame.sample_rate = 48000
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    with av.open(str(path)) as c:
+        ffmpeg = np.concatenate([f.to_ndarray() for f in c.decode(audio=0)], axis=1).mean(axis=0)
+    source = _SoundfileSource(path)
+    try:
+        ours = np.concatenate(list(source.mono_blocks()))
+    finally:
+        source.close()
+    assert ours.shape == ffmpeg.shape
+    assert float(np.abs(ours - ffmpeg).max()) < 1e-4  # 0.1 with BLOCK_BYTES = 32 KiB (4096 frames)

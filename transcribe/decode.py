@@ -25,7 +25,10 @@ from transcribe.ogg_end import ogg_cut_off
 AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
 MAX_CHANNELS = 64
-BLOCK_BYTES = 1 << 21  # ~2 MB of decoded float32 per block, whatever the channel count
+# ~2 MB of decoded float32 per block, whatever the channel count. Not much smaller: libsndfile
+# 1.2.2 decodes VBR MP3s wrongly in small reads (4096 frames: stretches off by up to 0.1; at
+# this size LAME VBR files read as FFmpeg decodes them, tests/test_audio.py).
+BLOCK_BYTES = 1 << 21
 # libsndfile's log for a WAV whose data chunk promises more bytes than the file holds.
 _SHORT_DATA = re.compile(r"^data\s*:\s*(\d+) \(should be (\d+)\)", re.MULTILINE)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation
