@@ -265,7 +265,10 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
             break
         for p in clash:
             base[p] = named[p]
-    out = {f.key: f.stem or _segment_stem(base.get(f.path, f.rel.with_suffix("")), f) for f in files}
+    def named(f: InputFile, digits: int = 2) -> Path:
+        return _segment_stem(base.get(f.path, f.rel.with_suffix("")), f, digits)
+
+    out = {f.key: f.stem or named(f) for f in files}
     # Segments whose times print alike to 10 ms (offsets 1.001 and 1.004) would write one set of
     # files, the second over the first: those print their times to the ms, and finer, until not.
     for digits in range(3, 7):
@@ -274,7 +277,7 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
         if not alike:
             break
         for f in alike:
-            out[f.key] = _segment_stem(base.get(f.path, f.rel.with_suffix("")), f, digits)
+            out[f.key] = named(f, digits)
     return out
 
 

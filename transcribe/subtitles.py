@@ -156,12 +156,13 @@ def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) 
             d.start = max(before, d.start - COLLAPSED_CUE_SECONDS / 2)
             d.end = min(after, d.start + COLLAPSED_CUE_SECONDS)
             d.start = max(before, d.end - COLLAPSED_CUE_SECONDS)
-            if _ms(d.end) == _ms(d.start) and i + 1 < len(drafts):
-                drafts[i + 1].tokens = d.tokens + drafts[i + 1].tokens
-                continue
-            if _ms(d.end) == _ms(d.start) and out:  # the last, where the audio and the cue before end
-                out[-1].tokens += d.tokens
-                continue
+            if _ms(d.end) == _ms(d.start):  # no room on either side
+                if i + 1 < len(drafts):
+                    drafts[i + 1].tokens = d.tokens + drafts[i + 1].tokens
+                    continue
+                if out:  # the last, where the audio and the cue before end
+                    out[-1].tokens += d.tokens
+                    continue
         out.append(d)
     return out
 

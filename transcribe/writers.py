@@ -281,10 +281,11 @@ def _repair_tail(path: Path) -> None:
         data = f.read()
         if data.endswith(b"\n"):
             return
-        if isinstance(_record(data[data.rfind(b"\n") + 1:]), dict):
+        last = data.rfind(b"\n") + 1  # where the last line starts
+        if isinstance(_record(data[last:]), dict):
             f.write(b"\n")
         else:
-            f.truncate(data.rfind(b"\n") + 1)
+            f.truncate(last)
 
 
 def _record(raw: bytes):
