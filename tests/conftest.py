@@ -1,6 +1,7 @@
 """Shared test helpers: where `../shared` is, and the NeMo reference fixtures in it."""
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import json
 import os
@@ -94,3 +95,16 @@ def bundled_whisper_fp32(batch_size: int):
     if not SPEECH.is_dir():
         pytest.skip(f"shared speech data not found at {SPEECH}")
     return WhisperEngine.from_bundled(batch_size=batch_size, dtype="float32")
+
+
+def refusing_open(locked: Path):
+    """`open` that refuses `locked` as a file without read permission does, for tests of that
+    case: they may run as root, who reads a chmod 0 file anyway. Every other file opens."""
+    real = builtins.open
+
+    def open_(file, *args, **kwargs):
+        if str(file) == str(locked):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real(file, *args, **kwargs)
+
+    return open_

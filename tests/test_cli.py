@@ -615,19 +615,14 @@ def test_a_shard_log_that_cannot_be_read_is_named_not_a_traceback(tmp_path, monk
     PermissionError out of merge as a traceback; it exits 1 naming the log, writing nothing."""
     import builtins
 
+    from conftest import refusing_open
     from transcribe.cli import main
 
     for d in ("s1", "s2"):
         (tmp_path / d).mkdir()
         (tmp_path / d / "results.jsonl").write_text(json.dumps({"audio_filepath": f"/{d}.wav", "status": "ok"}) + "\n")
-    locked, real_open = tmp_path / "s2" / "results.jsonl", builtins.open
-
-    def refusing_open(file, *args, **kwargs):  # root reads any file: refuse as chmod 0 would
-        if str(file) == str(locked):
-            raise PermissionError(13, "Permission denied", str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "open", refusing_open)
+    locked = tmp_path / "s2" / "results.jsonl"
+    monkeypatch.setattr(builtins, "open", refusing_open(locked))
     with pytest.raises(SystemExit) as exit_info:
         main(["merge", str(tmp_path / "s1"), str(tmp_path / "s2"), "--out", str(tmp_path / "all")])
     assert exit_info.value.code == 1

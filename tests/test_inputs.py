@@ -156,20 +156,13 @@ def test_a_missing_folder_or_a_path_that_cannot_be_looked_at_fails_alone(tmp_pat
 def test_a_manifest_that_cannot_be_read_fails_alone(tmp_path, monkeypatch):
     """A manifest without read permission (or an I/O error reading it) raised PermissionError
     out of discover: a traceback, and no job for the other inputs. It fails alone, naming it."""
-    import builtins
-
     import transcribe.inputs as inputs
+    from conftest import refusing_open
 
     _touch(tmp_path / "here.wav")
     m = tmp_path / "locked.jsonl"
     m.write_text(json.dumps({"audio_filepath": "here.wav"}) + "\n")
-
-    def refuse(path, *args, **kw):  # chmod 0 reads anyway as root, as the tests may run
-        if Path(path) == m:
-            raise PermissionError(13, "Permission denied", str(path))
-        return builtins.open(path, *args, **kw)
-
-    monkeypatch.setattr(inputs, "open", refuse, raising=False)
+    monkeypatch.setattr(inputs, "open", refusing_open(m), raising=False)
     files = discover([str(m), str(tmp_path / "here.wav")])
     assert {f.path.name: f.problem for f in files} == {
         "locked.jsonl": f"{m}: cannot read this manifest (Permission denied)", "here.wav": None}
