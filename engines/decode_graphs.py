@@ -16,10 +16,12 @@ other tokens than eager's (`ModeSelection.agrees_with_eager`).
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 import torch
 
@@ -55,17 +57,17 @@ class DecodeMode(str, Enum):
 
 _NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: DecodeMode.EAGER}
 
-# What "auto" runs on CUDA. Unrolled: on the one GPU these modes have run on (H100, torch 2.11
-# cu130, cuda-bindings 13.3, 2026-11-22) unrolled gave every file's tokens as eager did, and the
-# full-graph capture SEGFAULTED in torch's capture_end (in the decoder tests and the bench):
-# a crash no fallback can catch, which would end the user's whole job. Full-graph stays on
-# request (`--decoder-mode full-graph`) until a GPU run shows it captures and agrees.
-AUTO_ON_CUDA = DecodeMode.UNROLLED
-# A segfault there is what the CUDA driver does when a conditional body's capture was
-# invalidated and the enclosing capture then ends (NVIDIA/cuda-python#2918): the real error is
-# the call that invalidated it, which `cuda_conditional` now prints before unwinding.
-# `bench/gpu/while_loop_probe.py` captures with "relaxed" too: if only that works, the culprit
-# is a call that thread-local capture forbids.
+# What "auto" runs on CUDA: full-graph where conditional nodes are supported, else unrolled.
+# The first H100 session (2026-11-22) saw the full-graph capture segfault; the third
+# (2026-11-23) found why: cuDNN's LSTM fails inside a conditional body's capture
+# (CUDNN_STATUS_INTERNAL_ERROR, reported by `cuda_conditional` before the driver crashed), so the
+# prediction network now steps through torch's own LSTM cell on CUDA (transducer.lstm_step_native).
+# Since then every fixture decodes to eager's tokens in full-graph, which was the fastest mode
+# there: decoder-only 3.98x eager against unrolled's (54 vs 70 ms a pass), RTFx 1036.7 vs 935.5.
+AUTO_ON_CUDA = DecodeMode.FULL_GRAPH
+# A segfault in the parent's capture_end is what the CUDA driver does when a conditional body's
+# capture was invalidated (NVIDIA/cuda-python#2918): `cuda_conditional` prints the call that
+# invalidated it before unwinding; `bench/gpu/while_loop_probe.py` isolates such calls.
 FULL_GRAPH_CAPTURE_MODE = "thread_local"
 
 
@@ -85,13 +87,14 @@ def select_mode(requested: str | DecodeMode, device: torch.device | str) -> tupl
     req = DecodeMode(requested)
     if torch.device(device).type != "cuda":
         return DecodeMode.EAGER, f"device is {torch.device(device).type}"
+    why = "auto" if req is DecodeMode.AUTO else "requested"
     if req is DecodeMode.AUTO:
-        return AUTO_ON_CUDA, "auto"
+        req = AUTO_ON_CUDA
     if req in (DecodeMode.EAGER, DecodeMode.UNROLLED):
-        return req, "requested"
+        return req, why
     reason = full_graph_unsupported()
     if reason is None:
-        return DecodeMode.FULL_GRAPH, "conditional nodes are supported"
+        return DecodeMode.FULL_GRAPH, why
     return DecodeMode.UNROLLED, reason
 
 
@@ -192,6 +195,23 @@ def fresh_graph_pool(device: torch.device) -> tuple | None:
     return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
 
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, **kwargs) -> Iterator[None]:
+    """`torch.cuda.graph(graph, **kwargs)` with Python's garbage collector off until the capture
+    ends. torch collects once as the capture begins, but a collection that the capture's own
+    allocations trigger can free an object whose CUDA teardown (an old graph, an event) is not
+    allowed while a stream captures: on the H100 (2026-11-23) that aborted a Whisper full-graph
+    capture ("Fatal Python error: Aborted" while "Garbage-collecting" in the body)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, **kwargs):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def warm_up(device: torch.device, run: Callable[[], None]) -> None:
     """`run` eagerly on a side stream, then wait for it, so kernels, cuBLAS and attention set up
     their state (and allocator blocks) before a capture records them."""
@@ -222,7 +242,7 @@ class UnrolledRunner:
         self.graphs = {name: torch.cuda.CUDAGraph() for name in ("before", "head", "inner", "after")}
         stream = side_stream(device)
         for name, graph in self.graphs.items():
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with graph_capture(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 getattr(p, name)()
         self.flags = p
         self.host_flag = torch.zeros((), dtype=torch.bool, pin_memory=True)
@@ -256,7 +276,7 @@ class FullGraphRunner:
         self.body_pool = torch.cuda.MemPool()
         self.graph = torch.cuda.CUDAGraph()
         stream = side_stream(device)
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode=FULL_GRAPH_CAPTURE_MODE):
+        with graph_capture(self.graph, pool=pool, stream=stream, capture_error_mode=FULL_GRAPH_CAPTURE_MODE):
             p.before()
             with torch.cuda.use_mem_pool(self.body_pool, device), loops.while_loop(p.active_any):
                 p.head()

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from engines.conformer import ConformerEncoder
-from engines.decode_graphs import warm_up
+from engines.decode_graphs import graph_capture, warm_up
 from engines.encoder_backend import (BucketProfile, FallbackLog, batch_sizes, bucket_edges, disagreement,
                                      fill_bucket, fill_check_batch, in_chunks, output_frames, pick_bucket,
                                      pick_profile, turned_off)
@@ -162,7 +162,7 @@ class CudaGraphEncoder:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the pipeline's pool thread keeps running during a lazy capture; its
         # (CUDA-free) work must not be able to invalidate this thread's capture.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with graph_capture(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         enc.zero_()
         elen.zero_()

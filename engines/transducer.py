@@ -160,13 +160,33 @@ class PredictionNetwork(nn.Module):
     def step(self, labels: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One label per item. labels [B] long; state (h, c) each [L, B, H] -> out [B, H], state."""
-        emb = self.prediction["embed"](labels).unsqueeze(0)  # [1, B, H]: LSTM is time-major
-        # cuDNN's LSTM rejects strided hx/cx ("rnn: hx is not contiguous"); eager decoding with
-        # reserved buffers passes h[:, :B] of [L, max_batch, H], strided when L > 1 and
-        # B < max_batch (the CPU LSTM accepts it). A no-op for full buffers (graph modes).
-        h0, c0 = state
-        out, (h, c) = self.prediction["dec_rnn"].lstm(emb, (h0.contiguous(), c0.contiguous()))
+        lstm = self.prediction["dec_rnn"].lstm
+        emb = self.prediction["embed"](labels)
+        if emb.is_cuda:
+            return lstm_step_native(lstm, emb, state)
+        out, (h, c) = lstm(emb.unsqueeze(0), state)  # time-major [1, B, H]
         return out.squeeze(0), (h, c)
+
+
+def lstm_step_native(lstm: nn.LSTM, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """One time step of `lstm` through torch's own LSTM cell (two GEMMs and one fused kernel per
+    layer on CUDA), never cuDNN's RNN: on the H100 (2026-11-23, torch 2.11, CUDA 13) cuDNN's LSTM
+    failed with CUDNN_STATUS_INTERNAL_ERROR while a conditional WHILE body was captured, which
+    crashed the full-graph decoder. Every CUDA decoder mode (eager, unrolled, full-graph) and the
+    streaming decoder run this same step, so their tokens stay identical. It also takes the
+    strided h[:, :B] views of reserved buffers that cuDNN rejected. x [B, H], state (h, c) each
+    [L, B, H] -> out [B, H], (h, c)."""
+    h0, c0 = state
+    hs, cs = [], []
+    for layer in range(lstm.num_layers):
+        h, c = torch.lstm_cell(x, (h0[layer], c0[layer]), getattr(lstm, f"weight_ih_l{layer}"),
+                               getattr(lstm, f"weight_hh_l{layer}"), getattr(lstm, f"bias_ih_l{layer}"),
+                               getattr(lstm, f"bias_hh_l{layer}"))
+        hs.append(h)
+        cs.append(c)
+        x = h
+    return x, (torch.stack(hs), torch.stack(cs))
 
 
 class Joint(nn.Module):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engines import cuda_conditional
-from engines.decode_graphs import DecodeMode, ModeSelection, fresh_graph_pool, side_stream, warm_up
+from engines.decode_graphs import DecodeMode, ModeSelection, fresh_graph_pool, graph_capture, side_stream, warm_up
 from engines.whisper_static import StaticDecoding
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class UnrolledRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(static.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with graph_capture(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 for _ in range(steps):
                     static.step(b)
             self.graphs[b] = graph
@@ -101,7 +101,7 @@ class FullGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         for b in reversed(static.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with graph_capture(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 static.chunk_head(b, steps)
                 with torch.cuda.use_mem_pool(self.body_pool, device), loops.while_loop(static.go):
                     static.chunk_body(b)

@@ -42,7 +42,7 @@ sub_app = _Typer(add_completion=False, pretty_exceptions_enable=False, no_args_i
 
 WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
 BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
-DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (CUDA: unrolled; CPU: eager), full-graph (one conditional CUDA graph; experimental, see docs/architecture.md), unrolled, eager."
+DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (CUDA: full-graph, or unrolled where conditional nodes are unsupported; CPU: eager), full-graph (one CUDA graph with conditional while nodes), unrolled, eager."
 DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: float16 on CUDA, bfloat16 on CPUs with bf16), float32, "
               "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
               "decoder staying float32), float16 (CUDA).")

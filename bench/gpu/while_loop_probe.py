@@ -2,7 +2,9 @@
 
 On the first GPU session (H100, torch 2.11 cu130, cuda-bindings 13.3) capturing the transducer
 decoder's full graph segfaulted inside torch's `capture_end`, which no fallback can catch, so
-"auto" runs unrolled (engines/decode_graphs.py, AUTO_ON_CUDA). Each variant below runs in its
+"auto" ran unrolled. The third session (2026-11-23) found the cause with this probe: cuDNN's
+LSTM fails inside a conditional body's capture (CUDNN_STATUS_INTERNAL_ERROR), so the decoder
+now steps torch's own LSTM cell on CUDA and "auto" is full-graph again. Each variant below runs in its
 own process (a segfault ends only that one) and prints what its graph computed:
 
   inplace, alloc_mempool, alloc   one WHILE node counting x to 10; the body allocates or not,
@@ -52,7 +54,7 @@ def run_variant(name):
             finally:
                 self._depth = d
         cc.WhileLoops._add_while_node = patched
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # use_mem_pool needs an index
     mode = "global" if "global" in name else "relaxed" if "relaxed" in name else "thread_local"
     loops = cc.WhileLoops(cc.import_cuda_python(), dev, mode)
     x = torch.zeros((), dtype=torch.int32, device=dev)
