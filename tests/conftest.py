@@ -27,6 +27,12 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     if torch.cuda.is_available():
+        # The GPU tests compare tokens exactly with NeMo's fp32 CPU references and across
+        # backends whose padded shapes pick other kernels. torch's default lets cuDNN run fp32
+        # convolutions in TF32 (10-bit mantissa): encoder outputs then move by ~1e-3 and flip
+        # random-weight near-ties (seen on the H100, 2026-11-23). The product keeps torch's
+        # default, as NeMo does; the tests check the arithmetic in true fp32.
+        torch.backends.cudnn.allow_tf32 = False
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker); none on this machine")
     for item in items:

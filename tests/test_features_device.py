@@ -120,5 +120,7 @@ def test_cuda_device_features_equal_cpu_worker_features_and_tokens():
     want, want_n = _padded_features(workers, pieces)  # per piece on the CPU, as in a worker
     got, got_n = _padded_features(device, pieces)
     assert got.is_cuda and got.shape == want.shape and torch.equal(got_n, want_n)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # fixtures/README.md: features within 1e-3 (cuFFT and pocketfft round apart; the log of a
+    # quiet frame's power magnifies it: 3 of 3.2M values differed by 1.3e-4 on the H100)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
     assert [r.tokens for r in device.transcribe(pieces)] == [r.tokens for r in workers.transcribe(pieces)]
