@@ -247,6 +247,8 @@ def main() -> int:
     ap.add_argument("--warmup-files", type=int, default=100,
                     help="untimed files run first, by us and by the NeMo peer (0: none)")
     ap.add_argument("--batch-seconds", type=float, default=600.0)
+    ap.add_argument("--config", action="append", default=[], metavar="BACKEND/MODE/FEATURES/DTYPE",
+                    help="one more run, e.g. cuda-graphs/auto/device/bfloat16 (repeatable)")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--decoder-reps", type=int, default=5)
     ap.add_argument("--decoder-batch", type=int, default=32)
@@ -270,6 +272,8 @@ def main() -> int:
         print("error: no CUDA device (--device cpu only smoke-tests the script)", file=sys.stderr)
         return 1
     modes, backends, dtypes = _list(a.modes), _list(a.backends), _list(a.dtypes)
+    if any(len(c.split("/")) != 4 for c in a.config):
+        ap.error("--config takes BACKEND/MODE/FEATURES/DTYPE, e.g. cuda-graphs/auto/device/bfloat16")
     nemo_dtypes = dtypes if a.nemo_dtypes is None else _list(a.nemo_dtypes)
     default_backend = resolve_backend("auto", a.device)
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
@@ -284,7 +288,8 @@ def main() -> int:
             [(b, "auto", "workers", "float32") for b in backends if b != "torch" or a.no_baseline]
             + [("cuda-graphs", m, "workers", "float32") for m in modes]
             + [(default_backend, "auto", f, "float32") for f in _list(a.features_on)]
-            + [(default_backend, "auto", "workers", d) for d in dtypes])
+            + [(default_backend, "auto", "workers", d) for d in dtypes]
+            + [tuple(c.split("/")) for c in a.config])
         base = None
         if configs and a.warmup_files:
             warm = Path(tmp) / "warmup.jsonl"

@@ -39,9 +39,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, port: int, max_streams: int, device: str) -> subprocess.Popen:
+def _start_server(model: str, port: int, max_streams: int, device: str, dtype: str = "auto",
+                  chunking: tuple[float | None, float | None, float | None] = (None, None, None)) -> subprocess.Popen:
+    chunk_ms, left_ms, right_ms = chunking
     code = ("from transcribe.streaming.cli_commands import serve; "
-            f"serve({model!r}, port={port}, max_streams={max_streams}, max_waiting={max_streams}, device={device!r})")
+            f"serve({model!r}, port={port}, max_streams={max_streams}, max_waiting={max_streams}, device={device!r}, "
+            f"dtype={dtype!r}, chunk_ms={chunk_ms!r}, left_ms={left_ms!r}, right_ms={right_ms!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     deadline = time.monotonic() + 180  # a 0.6B model loads in tens of seconds
     while time.monotonic() < deadline:
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--device", default="cpu", help="the server's device (cpu, cuda)")
+    ap.add_argument("--dtype", default="auto", help="the server's encoder dtype (serve --dtype)")
+    ap.add_argument("--chunk-ms", type=float, default=None, help="offline-trained models: serve --chunk-ms")
+    ap.add_argument("--left-context-ms", type=float, default=None, help="serve --left-context-ms")
+    ap.add_argument("--right-context-ms", type=float, default=None, help="serve --right-context-ms")
     args = ap.parse_args(argv)
 
     paths = sorted(p for p in Path(args.audio).rglob("*") if p.suffix in (".flac", ".wav"))[: args.files]
@@ -96,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
         host, port = args.connect.rsplit(":", 1)
     else:
         host, port = "127.0.0.1", _free_port()
-        proc = _start_server(args.model, int(port), args.max_streams or args.streams, args.device)
+        proc = _start_server(args.model, int(port), args.max_streams or args.streams, args.device, args.dtype,
+                             (args.chunk_ms, args.left_context_ms, args.right_context_ms))
     try:
         runs, wall = asyncio.run(_load(host, int(port), audios, args.streams, args.ramp_s,
                                        args.piece_ms / 1000, args.seed))
@@ -113,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         "final_latency_ms": {f"p{q}": _pct(finals, q) for q in (50, 90, 95, 99)},
         "partial_latency_ms": {f"p{q}": _pct(partials, q) for q in (50, 90, 95, 99)},
         "audio_seconds": round(audio_s, 1), "wall_seconds": round(wall, 2), "rtfx": round(audio_s / wall, 2),
-        "model": args.model, "device": args.device,
+        "model": args.model, "device": args.device, "dtype": args.dtype,
+        "chunking_ms": [args.chunk_ms, args.left_context_ms, args.right_context_ms],
     }
     fl = report["final_latency_ms"]
     print(f"streams {len(finals)}/{args.streams} ok  final p50 {fl['p50']} p95 {fl['p95']} p99 {fl['p99']} ms  "

@@ -16,7 +16,10 @@
 #   bash bench/gpu/on_device.sh bench-modes     # RTFx from files: baseline + cuda-graphs x eager/
 #                                               # unrolled/full-graph; decoder-only speed-ups
 #   bash bench/gpu/on_device.sh bench-nemo      # NeMo transcribe() fp32 + bf16 on the same audio
+#   bash bench/gpu/on_device.sh bench-best      # bf16, auto decoder, features in workers / on the GPU,
+#                                               # and NeMo bf16 in the same call
 #   bash bench/gpu/on_device.sh stream          # streaming load on the 618M shape (p95 < 300 ms)
+#   bash bench/gpu/on_device.sh stream-bf16     # the same in bf16, NeMo's chunking and a shorter one
 #   bash bench/gpu/on_device.sh features        # 618M model: log-mel in the workers vs on the GPU,
 #                                               # micro (batched vs per piece) and end to end
 #   bash bench/gpu/on_device.sh bench-whisper   # Whisper base: decoder-only time per decoder mode
@@ -49,7 +52,7 @@ STAGES=()
 MIN_HOURS=1
 BUDGET=
 usage() {
-  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|stream|features|bench|whisper-part"
+  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-best|bench-whisper|stream|stream-bf16|features|bench|whisper-part"
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -58,7 +61,7 @@ while [ $# -gt 0 ]; do
     --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
     --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift 2 ;;
     --budget=*) BUDGET=${1#*=}; shift ;;
-    probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-whisper|bench|stream|features|whisper-part) STAGES+=("$1"); shift ;;
+    probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-best|bench-whisper|bench|stream|stream-bf16|features|whisper-part) STAGES+=("$1"); shift ;;
     *) usage ;;
   esac
 done
@@ -185,6 +188,11 @@ stage() {
       gpu_bench nemo --no-baseline --backends '' --modes '' --features-on '' --dtypes '' \
         --nemo-python python3 --nemo-dtypes float32,bfloat16
       ;;
+    bench-best)  # bf16 with the auto decoder, features in the workers and on the GPU, and NeMo bf16
+      gpu_bench best --no-baseline --backends '' --modes '' --features-on '' --dtypes '' --no-decoder-only \
+        --config cuda-graphs/auto/workers/bfloat16 --config cuda-graphs/auto/device/bfloat16 \
+        --nemo-python python3 --nemo-dtypes bfloat16
+      ;;
     bench-whisper)  # needs Whisper base from the whisper-part calls
       # full-graph in a process of its own (with eager again, for its speed-up), as in bench-modes:
       # the script reports only at its end, so a capture segfault would take every mode's figures down.
@@ -205,6 +213,17 @@ stage() {
         python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda \
           --audio "$AUDIO" --json "$OUT/stream_$n.json" 2>&1 | tail -5
       done | tee "$OUT/stream.log"
+      ;;
+    stream-bf16)  # bf16 encoder; NeMo's chunking (2 s, 10 s left, 2 s right), then 1 s, 4 s left, 1 s right
+      make_model
+      for cfg in "2000 10000 2000" "1000 4000 1000"; do
+        read -r c l r <<< "$cfg"
+        for n in 32 64 128; do
+          python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda --dtype bfloat16 \
+            --chunk-ms "$c" --left-context-ms "$l" --right-context-ms "$r" --audio "$AUDIO" \
+            --json "$OUT/stream_bf16_${c}_${l}_${r}_$n.json" 2>&1 | tail -1 | sed "s/^/bf16 $c\/$l\/$r ms: /"
+        done
+      done | tee "$OUT/stream_bf16.log"
       ;;
     features)
       make_model
