@@ -58,7 +58,7 @@ class DecodeMode(str, Enum):
 _NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: DecodeMode.EAGER}
 
 # What "auto" runs on CUDA: full-graph where conditional nodes are supported, else unrolled.
-# The first H100 session (2026-11-22) saw the full-graph capture segfault; the third
+# The first H100 session (2026-11-22) saw the full-graph capture segfault; the second
 # (2026-11-23) found why: cuDNN's LSTM fails inside a conditional body's capture
 # (CUDNN_STATUS_INTERNAL_ERROR, reported by `cuda_conditional` before the driver crashed), so the
 # prediction network now steps through torch's own LSTM cell on CUDA (transducer.lstm_step_native).
