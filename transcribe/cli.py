@@ -90,13 +90,18 @@ def _out_folder(folder: Path) -> None:
         raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
 
 
+def _refuse_empty(args: List[Optional[str]], what: str, names: str = "folder") -> None:
+    """An empty argument (`"$DIR"` with DIR unset) would be Path(""), which is ".": a whole
+    working folder (a cron job's $HOME) walked as INPUT or merged as a shard, transcripts,
+    results.jsonl and the lock written into it, over any same-named .txt there. A usage error
+    instead, before anything is read or written."""
+    if "" in args:
+        raise _fail(f"{what} is empty (an unset variable?): it names no {names}", EXIT_USAGE)
+
+
 def _out_arg(out: Optional[str], option: str = "--out") -> Optional[Path]:
-    """A folder option as typed: an empty one (`--out "$DIR"` with DIR unset) would be Path(""),
-    which is ".": transcripts, results.jsonl and the lock written into the working folder (a
-    cron job's $HOME), over any same-named .txt there (export-engine's --cache-dir: engines).
-    A usage error instead."""
-    if out == "":
-        raise _fail(f"{option} is empty (an unset variable?): it names no folder", EXIT_USAGE)
+    """A folder option as typed (--out, export-engine's --cache-dir), refused when empty."""
+    _refuse_empty([out], option)
     return None if out is None else Path(out)
 
 
@@ -173,8 +178,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     except ValueError as e:
         raise _fail(str(e), EXIT_USAGE)
 
-    if "" in inputs:  # `"$DIR"` with DIR unset: Path("") is ".", and the whole working folder would be walked
-        raise _fail("an INPUT is empty (an unset variable?): it names no file or folder", EXIT_USAGE)
+    _refuse_empty(inputs, "an INPUT", "file or folder")
     try:
         found = discover(inputs)
     except InputError as e:
@@ -313,8 +317,7 @@ def merge(
     from transcribe.resume import OutputBusy, out_dir_lock, writer_of
     from transcribe.writers import atomic_write_text, results_line
 
-    if "" in shard_args:  # "$S1" with S1 unset: Path("") is ".", whose log would be merged as a shard's
-        raise _fail("a SHARD_OUT_DIR is empty (an unset variable?): it names no folder", EXIT_USAGE)
+    _refuse_empty(shard_args, "a SHARD_OUT_DIR")
     shard_dirs = [Path(d) for d in shard_args]
     out = _out_arg(out_arg)
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
