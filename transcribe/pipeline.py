@@ -5,7 +5,8 @@ Worker processes (`transcribe/workers.py`) decode, resample, cut long files at p
 compute features into slots of a shared-memory slab (`transcribe/shm.py`); this process
 batches the pieces by length (`transcribe/batching.py`), runs the engine on views of the
 slots, frees them, and has the files each batch finished written together, outputs first,
-then their `results.jsonl` lines (`transcribe/output_writer.py`). A bad file, a crashed or hung
+then their `results.jsonl` lines (`transcribe/output_writer.py`, in a thread of its own while
+the next batch runs). A bad file, a crashed or hung
 worker, or a piece the model fails on (a failing batch runs again in halves, which also gets
 a batch that ran out of memory through) fails those files alone (`status: error`, with the
 reason), as does an output that cannot be written (a name too long, say); a full, over-quota
@@ -171,6 +172,17 @@ class _Job:
 
     def run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
             prespawned: Prespawned | None = None) -> None:
+        """The job, then the wait for its last writes (also when it stops on an exception:
+        whatever was handed to the writing thread is written before the log closes)."""
+        try:
+            self._run(n_workers, batch_seconds, timeout, prespawned)
+        except BaseException:
+            self.outputs.close(stopping=True)
+            raise
+        self.outputs.close()
+
+    def _run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
+             prespawned: Prespawned | None) -> None:
         frontend = self.engine.frontend
         # Fewer slots where /dev/shm is small (smaller batches), down to a batch of 1 per worker.
         with Slab.create(slab_slots(frontend, n_workers), frontend.n_mels * frontend.max_frames,
