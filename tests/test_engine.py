@@ -76,3 +76,32 @@ def test_loading_models_does_not_import_torch_dynamo():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
+
+
+@needs_shared
+def test_a_batch_built_in_the_reused_host_buffer_holds_its_pieces_and_the_pad_value_alone():
+    """`_batch` writes each row through numpy into the buffer earlier batches used (as on
+    CUDA): a piece's frames, then the features' pad value up to the batch width, whatever an
+    earlier, wider batch left there; audio pieces (features on the device) pad with zeros."""
+    from dataclasses import replace
+
+    import torch
+
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    engine.feature_cfg = replace(engine.feature_cfg, pad_value=-3.0)
+    n_mels = engine.feature_cfg.features
+    engine._host = torch.full((4 * n_mels * 400,), 7.0)  # left over from an earlier batch
+    pieces = [torch.randn(n_mels, n) for n in (50, 120, 33)]
+    x, lengths = engine._batch([p[:, :] for p in pieces[:1]] + [pieces[1].t().contiguous().t()] + pieces[2:])
+    width = engine._width(120)
+    assert x.shape == (3, n_mels, width) and lengths.tolist() == [50, 120, 33]
+    assert x.data_ptr() == engine._host.data_ptr()  # the buffer's front, not a fresh tensor
+    for row, p in zip(x, pieces):
+        assert torch.equal(row[:, : p.shape[1]], p)
+        assert (row[:, p.shape[1]:] == -3.0).all()
+
+    engine.logmel = object()  # features on the device: pieces are audio [1, T], padded with 0
+    audio = [torch.randn(1, 900), torch.randn(1, 1600)]
+    x, lengths = engine._batch(audio)
+    assert x.shape == (2, 1, 1600) and lengths.tolist() == [900, 1600]
+    assert torch.equal(x[0, :, :900], audio[0]) and (x[0, :, 900:] == 0).all() and torch.equal(x[1], audio[1])
