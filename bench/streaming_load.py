@@ -1,7 +1,9 @@
 """Streaming load test: N concurrent clients stream real files at real-time pace to one
 `transcribe serve` process over TCP; reports final-result latency p50/p90/p95/p99 (from "end"
 to "final"), partial latency (from sending the audio a partial covers to its arrival), RTFx
-(audio seconds / wall seconds) and how many streams finished without error.
+(audio seconds / wall seconds), how many streams finished without error, and the server's own
+figures (`{"type": "stats"}`: steps, chunks per step, step wall-time percentiles, seconds per
+stage: log-mel, encoder, decoder), which say where a slow final's time went.
 
     python bench/streaming_load.py --model M.nemo --streams 100 [--json out.json]
     python bench/streaming_load.py --connect 127.0.0.1:8765 --streams 100   (server already up)
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from transcribe.audio import load_audio  # noqa: E402
-from transcribe.streaming.client import stream_audio  # noqa: E402
+from transcribe.streaming.client import server_stats, stream_audio  # noqa: E402
 
 DEFAULT_MODEL = ROOT.parent / "shared/fixtures/nemo_reference/rnnt_streaming_tiny/model.nemo"
 DEFAULT_AUDIO = ROOT.parent / "shared/data/speech"
@@ -72,7 +74,12 @@ async def _load(host: str, port: int, audios: list[np.ndarray], streams: int, ra
 
     t0 = time.monotonic()
     runs = await asyncio.gather(*(one(i) for i in range(streams)))
-    return runs, time.monotonic() - t0
+    wall = time.monotonic() - t0
+    try:
+        stats = await server_stats(host, port)
+    except (OSError, ValueError, asyncio.TimeoutError) as e:  # an older server: no stats
+        stats = {"error": repr(e)}
+    return runs, wall, stats
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -106,7 +113,7 @@ def main(argv: list[str] | None = None) -> dict:
         proc = _start_server(args.model, int(port), args.max_streams or args.streams, args.device, args.dtype,
                              (args.chunk_ms, args.left_context_ms, args.right_context_ms))
     try:
-        runs, wall = asyncio.run(_load(host, int(port), audios, args.streams, args.ramp_s,
+        runs, wall, stats = asyncio.run(_load(host, int(port), audios, args.streams, args.ramp_s,
                                        args.piece_ms / 1000, args.seed))
     finally:
         if proc is not None:
@@ -123,10 +130,15 @@ def main(argv: list[str] | None = None) -> dict:
         "audio_seconds": round(audio_s, 1), "wall_seconds": round(wall, 2), "rtfx": round(audio_s / wall, 2),
         "model": args.model, "device": args.device, "dtype": args.dtype,
         "chunking_ms": [args.chunk_ms, args.left_context_ms, args.right_context_ms],
+        "server": stats,  # its steps: count, chunks per step, wall ms percentiles, seconds per stage
     }
     fl = report["final_latency_ms"]
     print(f"streams {len(finals)}/{args.streams} ok  final p50 {fl['p50']} p95 {fl['p95']} p99 {fl['p99']} ms  "
           f"partial p95 {report['partial_latency_ms']['p95']} ms  RTFx {report['rtfx']}")
+    if stats.get("steps"):
+        print(f"server: {stats['steps']} steps, {stats['chunks_per_step']} chunks a step (max "
+              f"{stats['max_chunks_per_step']}), step ms {stats['step_ms']}, stage s {stats['stage_seconds']}, "
+              f"apply s {stats['apply_seconds']}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report

@@ -17,6 +17,7 @@ lengths (padded frames masked) and decoded from their own slots' states.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,6 +27,7 @@ from torch import Tensor
 from engines.conformer import ConformerEncoder
 from engines.decode_stages import Hypothesis
 from engines.slot_pool import DecoderSlots, SlotPool
+from engines.stage_times import StageTimes
 from engines.stream_pool import pad_features
 from engines.transducer import TransducerDecoder
 from transcribe.features import LogMel
@@ -83,6 +85,7 @@ class ChunkedStreamPool(SlotPool):
         self.encoder, self.logmel = encoder, logmel
         self.dec = DecoderSlots(decoder, max_streams)
         self.device = self.dec.device
+        self.stage_seconds = StageTimes(self.device)  # per step: features, encoder, decoder
 
     def _reset(self, slot: int) -> None:
         self.dec.reset(slot)
@@ -99,9 +102,12 @@ class ChunkedStreamPool(SlotPool):
         slots). Returns per window the NEW tokens, frames counted from the stream's start."""
         if not windows:
             return []
+        t = time.perf_counter()
         idx = torch.tensor([w.slot for w in windows], dtype=torch.int64, device=self.device)
         feats, lengths = pad_features([self.features(w.audio) for w in windows], self.device)
+        t = self.stage_seconds.lap("features", t)
         enc, enc_len = self.encoder(feats, lengths)  # [B, D, T], [B]
+        t = self.stage_seconds.lap("encoder", t)
         left = torch.tensor([w.left_frames for w in windows], dtype=torch.int64, device=self.device)
         rest = (enc_len - left).clamp(min=0)  # frames after the left context
         want = torch.tensor([-1 if w.frames is None else w.frames for w in windows], dtype=torch.int64,
@@ -111,4 +117,6 @@ class ChunkedStreamPool(SlotPool):
         # Row b's chunk: its frames left[b] ... left[b] + n[b] - 1, left-aligned.
         pick = (left[:, None] + torch.arange(t, device=self.device)).clamp(max=enc.size(2) - 1)
         chunk = enc.transpose(1, 2).gather(1, pick[:, :, None].expand(-1, -1, enc.size(1)))
-        return self.dec.decode(idx, chunk, n)
+        hyps = self.dec.decode(idx, chunk, n)
+        self.stage_seconds.lap("decoder", t)
+        return hyps

@@ -20,6 +20,7 @@ so a finished, failed or vanished stream leaves no state.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,6 +30,7 @@ from torch import Tensor
 from engines.decode_stages import Hypothesis
 from engines.encoder_backend import FUSED_CHECK_RTOL, relative_error
 from engines.slot_pool import DecoderSlots, PoolExhausted, SlotPool
+from engines.stage_times import StageTimes
 from engines.stream_attention_triton import KernelUnavailable, kernel_unusable, triton_available
 from engines.streaming_encoder import CacheAwareEncoder, EncoderCaches
 from engines.transducer import TransducerDecoder
@@ -62,6 +64,7 @@ class StreamPool(SlotPool):
         self.encoder = encoder
         self.dec = DecoderSlots(decoder, max_streams)
         self.device = self.dec.device
+        self.stage_seconds = StageTimes(self.device)  # per step: batch, encoder, decoder
         init = encoder.initial_caches(max_streams, self.device)  # in the encoder's compute dtype
         self.att, self.conv, self.att_len = init.att, init.conv, init.att_len
         self.attention_kernel = self._pick_kernel(attention_kernel)
@@ -100,11 +103,13 @@ class StreamPool(SlotPool):
         Returns per chunk the NEW tokens, with `frames` counted from the stream's start."""
         if not chunks:
             return []
+        t = time.perf_counter()
         idx = torch.tensor([ch.slot for ch in chunks], dtype=torch.int64, device=self.device)
         feats, lengths = pad_features([ch.features for ch in chunks], self.device)
         drop = torch.tensor([0 if ch.first else self.encoder.cfg.drop_extra for ch in chunks],
                             dtype=torch.int64, device=self.device)
         att_len = self.att_len.index_select(0, idx)
+        t = self.stage_seconds.lap("batch", t)
         if self.attention_kernel == "triton":
             try:
                 enc, enc_len, new_len = self.encoder.step_in_pool(feats, lengths, drop, self.att, self.conv,
@@ -114,13 +119,18 @@ class StreamPool(SlotPool):
                 self.attention_kernel = "torch"
             else:
                 self.att_len.index_copy_(0, idx, new_len)
-                return self.dec.decode(idx, enc, enc_len)
+                return self._decode(idx, enc, enc_len, self.stage_seconds.lap("encoder", t))
         caches = EncoderCaches(self.att.index_select(1, idx), self.conv.index_select(1, idx), att_len)
         enc, enc_len, nxt = self.encoder.step(feats, lengths, drop, caches)
         self.att.index_copy_(1, idx, nxt.att)  # same as: att[:, idx] = nxt.att
         self.conv.index_copy_(1, idx, nxt.conv)
         self.att_len.index_copy_(0, idx, nxt.att_len)
-        return self.dec.decode(idx, enc, enc_len)
+        return self._decode(idx, enc, enc_len, self.stage_seconds.lap("encoder", t))
+
+    def _decode(self, idx: Tensor, enc: Tensor, enc_len: Tensor, t: float) -> list[Hypothesis]:
+        hyps = self.dec.decode(idx, enc, enc_len)
+        self.stage_seconds.lap("decoder", t)
+        return hyps
 
 
 @torch.inference_mode()

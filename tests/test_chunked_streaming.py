@@ -200,6 +200,8 @@ def test_pool_slots_reset_and_context_validation():
     s.push_audio(_files("tdt_tiny")[2]["samples"][:40000])
     pool.step([s.next_chunk()])
     assert int(pool.dec.frames[a]) == model.context.chunk
+    # each step's seconds by stage, summed (the server's "stats" message reports them)
+    assert set(pool.stage_seconds) == {"features", "encoder", "decoder"} and min(pool.stage_seconds.values()) > 0
     pool.release(a)
     pool.release(a)  # idempotent
     assert int(pool.dec.frames[a]) == 0 and int(pool.dec.time_jump[a]) == 0

@@ -10,7 +10,7 @@ import socket
 
 from conftest import needs_shared
 from transcribe.streaming import protocol as P
-from transcribe.streaming.client import stream_audio
+from transcribe.streaming.client import server_stats, stream_audio
 from transcribe.streaming.server import ServerConfig
 
 from streaming_fixtures import files, model, serve_and_check  # noqa: F401  (fixtures)
@@ -53,6 +53,31 @@ def test_stream_over_tcp_gives_nemo_partials(model, files):
     assert partials == f["partial_texts"]
     assert run.final["text"] == f["offline_text"]
     assert all(w["start"] <= w["end"] for w in run.final["words"])
+
+
+def test_a_stats_request_reports_what_the_steps_cost(model, files):
+    """A monitor's `{"type": "stats"}` (instead of hello) gets one "stats" message and the
+    connection closes: before any stream no step; after two streams their steps, the chunks
+    they ran, step wall-time percentiles, the pool's seconds per stage, and the pool whole."""
+    async def scenario(server, host, port):
+        before = await server_stats(host, port)
+        runs = await asyncio.gather(*(stream_audio(host, port, f"s{k}", files[k]["samples"], piece_s=0.25,
+                                                   realtime=False) for k in (1, 2)))
+        after = await server_stats(host, port)
+        raw = await _raw(host, port, [P.encode({"type": "stats"})])  # then the server closes
+        return before, runs, after, raw, server.steps
+
+    before, runs, after, raw, steps = _run(model, ServerConfig(port=0, max_streams=2), scenario)
+    assert before["type"] == "stats" and before["steps"] == 0 and before["step_ms"] is None
+    assert before["mode"] == "cache-aware" and before["free_slots"] == before["max_streams"] == 2
+    assert [r.final["text"] for r in runs] == [files[k]["offline_text"] for k in (1, 2)]
+    chunks = sum(len([m for m in r.messages if m["type"] == "partial"]) for r in runs)
+    assert after["steps"] == steps >= 2 and after["chunks"] == chunks and after["max_chunks_per_step"] <= 2
+    assert 0 < after["step_ms"]["p50"] <= after["step_ms"]["p95"] <= after["step_ms"]["max"]
+    assert set(after["stage_seconds"]) == {"batch", "encoder", "decoder"}
+    assert all(v > 0 for v in after["stage_seconds"].values()) and after["apply_seconds"] > 0
+    assert (after["active"], after["waiting"], after["free_slots"]) == (0, 0, 2)
+    assert len(raw) == 1 and raw[0]["type"] == "stats"
 
 
 def test_bad_clients_get_clear_errors_and_server_stays_up(model, files):

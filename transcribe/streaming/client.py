@@ -124,6 +124,17 @@ async def stream_audio(host: str, port: int, stream_id: str, audio: np.ndarray, 
     return run
 
 
+async def server_stats(host: str, port: int, timeout_s: float = 10.0) -> dict:
+    """The server's `stats` message (protocol.py): what its steps have cost so far."""
+    reader, writer = await asyncio.open_connection(host, port, limit=P.MAX_LINE_BYTES)
+    try:
+        writer.write(P.encode({"type": "stats"}))
+        await writer.drain()
+        return P.parse_json(await asyncio.wait_for(reader.readline(), timeout_s))
+    finally:
+        writer.close()
+
+
 async def stream_audio_ws(url: str, stream_id: str, audio: np.ndarray, sample_rate: int = 16000,
                           piece_s: float = 0.1, realtime: bool = True, fmt: str = "pcm16",
                           binary: bool = True, timeout_s: float = 60.0) -> ClientRun:

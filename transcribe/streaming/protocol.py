@@ -8,6 +8,8 @@ Client -> server
     <binary frame>                         WebSocket only: the same PCM, raw (no base64);
                                            may be mixed with "audio" messages
     {"type": "end"}                        no more audio: the server sends the final result
+    {"type": "stats"}                      instead of hello: a monitor's request; the server
+                                           answers with one "stats" message and closes
 Server -> client (over WebSocket: text frames)
     {"type": "ready", "stream_id": ...}    a slot is assigned: audio is decoded as it arrives
     {"type": "waiting", "stream_id": ..., "position": n}   queued for a slot (audio is kept;
@@ -24,6 +26,10 @@ Server -> client (over WebSocket: text frames)
         segments and the last partial joined, and sent once (it grows with the stream: the
         line limit below holds ~15 h of speech)
     Times are seconds from the stream start; audio_seconds: audio decoded so far.
+    {"type": "stats", "uptime_s", "steps", "chunks", "chunks_per_step", "max_chunks_per_step",
+        "step_ms": {"p50", "p95", "p99", "max"} (null before the first step), "step_window",
+        "stage_seconds": {stage: s}, "apply_seconds", "mode", "device", "max_streams", "active",
+        "waiting", "free_slots"}        what the steps cost so far (streaming/stats.py)
     {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
         the connection after an error (the stream is over, its slot returned). "shutdown":
         the server is stopping (SIGINT / SIGTERM; over WebSocket the close code is 1001, going

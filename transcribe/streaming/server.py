@@ -26,6 +26,7 @@ from transcribe import heap
 from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionBase, SessionState
+from transcribe.streaming.stats import StepStats
 
 if TYPE_CHECKING:  # websockets is imported only when a WebSocket port is served
     from websockets.asyncio.server import Server as WsServer, ServerConnection
@@ -155,7 +156,11 @@ class StreamServer:
         self._engine: asyncio.Task | None = None
         self.engine_failure: BaseException | None = None  # the engine loop died of it (a bug)
         self.broken = asyncio.Event()  # set then: serve_forever stops the server
-        self.steps = 0
+        self.stats = StepStats()
+
+    @property
+    def steps(self) -> int:
+        return self.stats.steps
 
     async def start(self) -> tuple[str, int]:
         """Listen; returns the bound TCP (host, port) (the WebSocket one is `ws_address`)."""
@@ -241,6 +246,9 @@ class StreamServer:
         first = await self._recv(client)
         if isinstance(first, bytes):
             raise P.ProtocolError("bad_message", 'first message must be "hello", got a binary frame')
+        if first["type"] == "stats":  # a monitor, not a stream: the figures, then the connection closes
+            self._send(client, self._stats())
+            return
         hello = P.parse_hello(first, self.model.sample_rate)
         try:
             session = self.scheduler.open(hello.stream_id)
@@ -369,6 +377,12 @@ class StreamServer:
             client.aborted = True
             client.transport.abort()
 
+    def _stats(self) -> dict:
+        sched = self.scheduler
+        return self.stats.snapshot(mode=self.model.mode, device=str(self.model.engine.device),
+                                   max_streams=self.cfg.max_streams, active=len(sched.active),
+                                   waiting=len(sched.waiting), free_slots=sched.pool.free_slots)
+
     def _close_session(self, client: _Client, failed: bool) -> None:
         session = client.session
         if session is None:
@@ -417,13 +431,15 @@ class StreamServer:
         """One batched pool step (in the worker thread) and its results sent."""
         sched = self.scheduler
         sched.begin_step()
+        t0 = time.perf_counter()
         try:
             hyps = await asyncio.get_running_loop().run_in_executor(self._executor, sched.pool.step, chunks)
         finally:
             sched.end_step()
             self._notify_admitted()
-        self.steps += 1
+        t1 = time.perf_counter()
         self._deliver(sched.apply(sessions, hyps))
+        self.stats.record(len(chunks), t1 - t0, time.perf_counter() - t1, sched.pool.stage_seconds)
         for s in sessions:  # their handlers may be waiting for the backlog to shrink
             client = self._client_of(s)
             if client is not None:
