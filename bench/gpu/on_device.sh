@@ -221,7 +221,7 @@ stage() {
         for n in 32 64 128; do
           python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda --dtype bfloat16 \
             --chunk-ms "$c" --left-context-ms "$l" --right-context-ms "$r" --audio "$AUDIO" \
-            --json "$OUT/stream_bf16_${c}_${l}_${r}_$n.json" 2>&1 | tail -1 | sed "s/^/bf16 $c\/$l\/$r ms: /"
+            --json "$OUT/stream_bf16_${c}_${l}_${r}_$n.json" 2>&1 | grep -E "^(streams|server:)" | sed "s/^/bf16 $c\/$l\/$r ms: /"
         done
       done | tee "$OUT/stream_bf16.log"
       ;;
