@@ -109,12 +109,12 @@ class ChunkedStreamPool(SlotPool):
         slots). Returns per window the NEW tokens, frames counted from the stream's start."""
         if not windows:
             return []
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         idx = torch.tensor([w.slot for w in windows], dtype=torch.int64, device=self.device)
         feats, lengths = pad_features([self.features(w.audio) for w in windows], self.device)
-        t = self.stage_seconds.lap("features", t)
+        t0 = self.stage_seconds.lap("features", t0)
         enc, enc_len = self.encoder(feats, lengths)  # [B, D, T], [B]
-        t = self.stage_seconds.lap("encoder", t)
+        t0 = self.stage_seconds.lap("encoder", t0)
         left = torch.tensor([w.left_frames for w in windows], dtype=torch.int64, device=self.device)
         rest = (enc_len - left).clamp(min=0)  # frames after the left context
         want = torch.tensor([-1 if w.frames is None else w.frames for w in windows], dtype=torch.int64,
@@ -125,5 +125,5 @@ class ChunkedStreamPool(SlotPool):
         pick = (left[:, None] + torch.arange(t, device=self.device)).clamp(max=enc.size(2) - 1)
         chunk = enc.transpose(1, 2).gather(1, pick[:, :, None].expand(-1, -1, enc.size(1)))
         hyps = self.dec.decode(idx, chunk, n)
-        self.stage_seconds.lap("decoder", t)
+        self.stage_seconds.lap("decoder", t0)
         return hyps
