@@ -9,8 +9,9 @@ chunk (`engines.slot_pool.DecoderSlots`, RNN-T or TDT, with TDT's overshoot carr
 Features are log-mel over the window's audio, normalised (`per_feature`) over that window, as
 NeMo's script does by running its preprocessor on the audio buffer: a chunk's features, and so
 its encodings, depend on its context and differ from the offline ones unless the window holds
-the whole recording. They are computed on the model's device (on CUDA, the GPU). Every window starts on an encoder-frame boundary (a multiple of
-hop * subsampling samples), so window frame i is stream frame start/frame_samples + i.
+the whole recording. They are computed on the model's device (on CUDA, the GPU). Every window
+starts on an encoder-frame boundary (a multiple of hop * subsampling samples), so window frame
+i is stream frame start/frame_samples + i.
 
 `step` batches any set of streams at any positions: rows are encoded together with per-row
 lengths (padded frames masked) and decoded from their own slots' states.

@@ -13,8 +13,8 @@ The writing runs in one thread of its own, a batch at a time and in order, while
 thread goes on to the next batch: it is mostly waiting for fsync, which held the model up
 (14 % of the wall time of a bf16 GPU run, 0.32 of 2.28 s, bench/results/gpu_h100_2026-11-23).
 `flush` with files to hand over first waits for the batch handed over before, so at most one
-is being written, and that one's `OutputStopped` is raised in the job's thread; `close` waits for the last one. Every
-results.jsonl line, `ok` or `error`, is appended by that thread alone.
+is being written, and that one's `OutputStopped` is raised in the job's thread; `close` waits
+for the last one. Every results.jsonl line, `ok` or `error`, is appended by that thread alone.
 """
 from __future__ import annotations
 
