@@ -8,9 +8,9 @@ slots, frees them, and has the files each batch finished written together, outpu
 then their `results.jsonl` lines (`transcribe/output_writer.py`, in a thread of its own while
 the next batch runs). A bad file, a crashed or hung worker, or a piece the model fails on (a
 failing batch runs again in halves, which also gets a batch that ran out of memory through)
-fails those files alone (`status: error`, with the reason), as does an output that cannot be written (a name too long, say); a full, over-quota
-or read-only output disk stops the run (`OutputStopped`), since every later write would fail
-too. ^C and SIGTERM stop at once. Every way of stopping leaves each finished file written and
+fails those files alone (`status: error`, with the reason), as does an output that cannot be
+written (a name too long, say); a full, over-quota or read-only output disk stops the run
+(`OutputStopped`), since every later write would fail too. ^C and SIGTERM stop at once. Every way of stopping leaves each finished file written and
 no worker, segment or temporary file behind; rerunning the command resumes.
 """
 from __future__ import annotations
