@@ -10,8 +10,9 @@ the next batch runs). A bad file, a crashed or hung worker, or a piece the model
 failing batch runs again in halves, which also gets a batch that ran out of memory through)
 fails those files alone (`status: error`, with the reason), as does an output that cannot be
 written (a name too long, say); a full, over-quota or read-only output disk stops the run
-(`OutputStopped`), since every later write would fail too. ^C and SIGTERM stop at once. Every way of stopping leaves each finished file written and
-no worker, segment or temporary file behind; rerunning the command resumes.
+(`OutputStopped`), since every later write would fail too. ^C and SIGTERM stop at once. Every
+way of stopping leaves each finished file written and no worker, segment or temporary file
+behind; rerunning the command resumes.
 """
 from __future__ import annotations
 
