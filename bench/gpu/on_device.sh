@@ -144,6 +144,29 @@ gpu_bench() {  # gpu_bench NAME ARGS...: $OUT/gpu_bench_NAME.json (rewritten aft
   python3 bench/gpu_bench.py --model "$MODEL" --audio "$AUDIO" --min-hours "$MIN_HOURS" \
     --json "$OUT/gpu_bench_$name.json" "$@" 2>&1 | tee "$OUT/gpu_bench_$name.log"
 }
+stream_loads() {  # stream_loads NAME DTYPE "STREAMS..." ["CHUNK LEFT RIGHT" (ms) ...]: streaming_load.py
+  # per chunking (none given: the server's default) and stream count; each run's whole output
+  # in $OUT/NAME[_C_L_R]_N.out and its JSON beside it, the result and server lines in $OUT/NAME.log
+  local name=$1 dtype=$2 counts=$3 cfg n c l r tag label
+  shift 3
+  local cfgs=("$@")
+  [ ${#cfgs[@]} -gt 0 ] || cfgs=("")
+  make_model
+  for cfg in "${cfgs[@]}"; do
+    local chunking=()
+    tag=$name label="default chunking"
+    if [ -n "$cfg" ]; then
+      read -r c l r <<< "$cfg"
+      chunking=(--chunk-ms "$c" --left-context-ms "$l" --right-context-ms "$r")
+      tag="${name}_${c}_${l}_${r}" label="$c/$l/$r ms"
+    fi
+    for n in $counts; do
+      python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda --dtype "$dtype" \
+        ${chunking[@]+"${chunking[@]}"} --audio "$AUDIO" --json "$OUT/${tag}_$n.json" 2>&1 \
+        | tee "$OUT/${tag}_$n.out" | grep -E "^(streams|server:)" | sed "s|^|$dtype $label: |"
+    done
+  done | tee "$OUT/$name.log"
+}
 COMPILE_TEST=tests/test_encoder_backends_gpu.py::test_compile_tokens_identical_to_eager_on_cuda
 stage() {
   case $1 in
@@ -207,23 +230,11 @@ stage() {
     bench)
       for s in bench-encoder bench-backends bench-modes bench-nemo; do stage "$s"; done
       ;;
-    stream)
-      make_model
-      for n in 64 128 256; do
-        python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda \
-          --audio "$AUDIO" --json "$OUT/stream_$n.json" 2>&1 | tail -5
-      done | tee "$OUT/stream.log"
+    stream)  # the server's defaults: fp32, NeMo's chunking (2 s, 10 s left, 2 s right)
+      stream_loads stream auto "64 128 256"
       ;;
-    stream-bf16)  # bf16 encoder; NeMo's chunking (2 s, 10 s left, 2 s right), then 1 s, 4 s left, 1 s right
-      make_model
-      for cfg in "2000 10000 2000" "1000 4000 1000"; do
-        read -r c l r <<< "$cfg"
-        for n in 32 64 128; do
-          python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda --dtype bfloat16 \
-            --chunk-ms "$c" --left-context-ms "$l" --right-context-ms "$r" --audio "$AUDIO" \
-            --json "$OUT/stream_bf16_${c}_${l}_${r}_$n.json" 2>&1 | grep -E "^(streams|server:)" | sed "s/^/bf16 $c\/$l\/$r ms: /"
-        done
-      done | tee "$OUT/stream_bf16.log"
+    stream-bf16)  # bf16 encoder; NeMo's chunking, then 1 s, 4 s left, 1 s right
+      stream_loads stream_bf16 bfloat16 "32 64 128" "2000 10000 2000" "1000 4000 1000"
       ;;
     features)
       make_model
