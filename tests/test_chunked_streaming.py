@@ -170,7 +170,13 @@ def test_batched_at_different_positions_equals_alone(variant):
     each step batches whoever has a window (different lengths, first windows beside later
     ones). Tokens, frames and partial texts equal each stream streamed alone."""
     name, files = variant
-    model = _model(name, 480, 1600, 320)
+    _assert_batched_equals_alone(_model(name, 480, 1600, 320), files)
+
+
+def _assert_batched_equals_alone(model: StreamingModel, files: list[dict]) -> None:
+    """The files streamed together on 3 slots (staggered opens and paces, some waiting) give
+    each file's tokens, frames and partial texts streamed alone; steps were 3 wide and mixed
+    first windows with later ones; the pool is whole after."""
     alone = {i: _stream(model, f["samples"]) for i, f in enumerate(files)}
     sched = Scheduler(model, SchedulerConfig(max_streams=3, max_waiting=8))
     paces = [3000, 5000, 2000, 8000, 4000, 6000, 2500, 7000]
@@ -252,11 +258,4 @@ def test_on_cuda_window_features_run_there_and_streams_batched_equal_alone():
     on_gpu, on_cpu = model.new_pool(1).features(window), _model("tdt_tiny", 480, 1600, 320).new_pool(1).features(window)
     assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-3, rtol=1e-3)
-    alone = {i: _stream(model, f["samples"]) for i, f in enumerate(files)}
-    sched = Scheduler(model, SchedulerConfig(max_streams=3, max_waiting=8))
-    paces = [3000, 5000, 2000, 8000, 4000, 6000, 2500, 7000]
-    sessions, texts = drive_staggered(sched, [f["samples"] for f in files], paces, lambda windows: None)
-    for i, s in sessions.items():
-        ref, ref_texts = alone[i]
-        assert (s.tokens, s.token_frames, s.token_durations) == (ref.tokens, ref.token_frames, ref.token_durations)
-        assert texts[i] == ref_texts
+    _assert_batched_equals_alone(model, files)
