@@ -10,6 +10,9 @@ stage: log-mel, encoder, decoder), which say where a slow final's time went.
 
 Without --connect the server runs in a subprocess (its own interpreter: client encoding does
 not share the server's GIL). Starts are spread over --ramp-s (seeded) as real callers arrive.
+--min-stream-s S makes each stream its file repeated to at least S seconds: the shared files
+last 2-35 s, so a stream of one runs only a few steps, and a short load measures mostly the
+server's first steps; long streams measure it in its steady state.
 """
 from __future__ import annotations
 
@@ -42,13 +45,17 @@ def _free_port() -> int:
 
 
 def _start_server(model: str, port: int, max_streams: int, device: str, dtype: str = "auto",
-                  chunking: tuple[float | None, float | None, float | None] = (None, None, None)) -> subprocess.Popen:
+                  chunking: tuple[float | None, float | None, float | None] = (None, None, None),
+                  encoder_backend: str = "auto") -> subprocess.Popen:
     chunk_ms, left_ms, right_ms = chunking
     code = ("from transcribe.streaming.cli_commands import serve; "
             f"serve({model!r}, port={port}, max_streams={max_streams}, max_waiting={max_streams}, device={device!r}, "
-            f"dtype={dtype!r}, chunk_ms={chunk_ms!r}, left_ms={left_ms!r}, right_ms={right_ms!r})")
+            f"dtype={dtype!r}, chunk_ms={chunk_ms!r}, left_ms={left_ms!r}, right_ms={right_ms!r}, "
+            f"encoder_backend={encoder_backend!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    deadline = time.monotonic() + 180  # a 0.6B model loads in tens of seconds
+    # A 0.6B model loads in tens of seconds, and on CUDA the window encoder's graphs are
+    # captured before the server listens.
+    deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -57,6 +64,11 @@ def _start_server(model: str, port: int, max_streams: int, device: str, dtype: s
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start within 180 s")
+
+
+def _at_least(audio: np.ndarray, samples: int) -> np.ndarray:
+    """`audio` repeated end to end until it holds at least `samples` samples."""
+    return np.tile(audio, -(-samples // audio.shape[0])) if audio.shape[0] < samples else audio
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -99,19 +111,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk-ms", type=float, default=None, help="offline-trained models: serve --chunk-ms")
     ap.add_argument("--left-context-ms", type=float, default=None, help="serve --left-context-ms")
     ap.add_argument("--right-context-ms", type=float, default=None, help="serve --right-context-ms")
+    ap.add_argument("--encoder-backend", default="auto", help="serve --encoder-backend (auto, torch, cuda-graphs)")
+    ap.add_argument("--min-stream-s", type=float, default=0.0,
+                    help="repeat each file to at least this many seconds a stream (see above)")
     args = ap.parse_args(argv)
 
     paths = sorted(p for p in Path(args.audio).rglob("*") if p.suffix in (".flac", ".wav"))[: args.files]
     if not paths:
         raise SystemExit(f"no .flac/.wav files under {args.audio}")
-    audios = [load_audio(p, 16000) for p in paths]
+    audios = [_at_least(load_audio(p, 16000), int(args.min_stream_s * 16000)) for p in paths]
     proc = None
     if args.connect:
         host, port = args.connect.rsplit(":", 1)
     else:
         host, port = "127.0.0.1", _free_port()
         proc = _start_server(args.model, int(port), args.max_streams or args.streams, args.device, args.dtype,
-                             (args.chunk_ms, args.left_context_ms, args.right_context_ms))
+                             (args.chunk_ms, args.left_context_ms, args.right_context_ms), args.encoder_backend)
     try:
         runs, wall, stats = asyncio.run(_load(host, int(port), audios, args.streams, args.ramp_s,
                                        args.piece_ms / 1000, args.seed))
@@ -128,7 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
         "final_latency_ms": {f"p{q}": _pct(finals, q) for q in (50, 90, 95, 99)},
         "partial_latency_ms": {f"p{q}": _pct(partials, q) for q in (50, 90, 95, 99)},
         "audio_seconds": round(audio_s, 1), "wall_seconds": round(wall, 2), "rtfx": round(audio_s / wall, 2),
-        "model": args.model, "device": args.device, "dtype": args.dtype,
+        "model": args.model, "device": args.device, "dtype": args.dtype, "encoder_backend": args.encoder_backend,
+        "min_stream_seconds": args.min_stream_s,
         "chunking_ms": [args.chunk_ms, args.left_context_ms, args.right_context_ms],
         "server": stats,  # its steps: count, chunks per step, wall ms percentiles, seconds per stage
     }

@@ -15,6 +15,15 @@ i is stream frame start/frame_samples + i.
 
 `step` batches any set of streams at any positions: rows are encoded together with per-row
 lengths (padded frames masked) and decoded from their own slots' states.
+
+The encoder is called through the offline engine's backend interface
+(`engines.encoder_backend`): eager torch on the CPU, CUDA graphs on CUDA, one per (batch,
+window width) bucket (`window_profiles`), captured when the pool is made. Why: a window's width
+grows with the stream's position until the left context is full and a step's batch is whatever
+streams are ready, so eager steps met a new shape almost every time, and on a GPU a new shape
+is paid in the step (allocator growth, cuDNN plans, lazy kernel loading); a short stream runs
+only a few steps, most of them first-of-their-shape. The graphs fix the shapes at startup and
+launch a step's ~1,000 kernels at once.
 """
 from __future__ import annotations
 
@@ -28,15 +37,23 @@ from torch import Tensor
 
 from engines.conformer import ConformerEncoder
 from engines.decode_stages import Hypothesis
+from engines.encoder_backend import BucketProfile, EncoderBackend
 from engines.slot_pool import DecoderSlots, SlotPool
 from engines.stage_times import StageTimes
 from engines.stream_pool import pad_features
 from engines.transducer import TransducerDecoder
-from transcribe.features import LogMel
+from transcribe.features import FeatureConfig, LogMel
 
 # NeMo's script defaults (chunk_secs=2, left_context_secs=10, right_context_secs=2), also its
 # README's recommended "streaming with 4 s latency" setting for offline-trained Parakeet.
 DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS = 2000, 10000, 2000
+# Window widths a pool's encoder is bucketed on at most (captured graphs: this many per batch
+# size). NeMo's 2/10/2 s chunking has 6 distinct widths; a short chunk with a long left context
+# has many more, and those share the next bucket up (padding, masked).
+MAX_WINDOW_PROFILES = 8
+# Rows a bucket holds: a step with more ready streams runs as several replays of this many. At
+# 64 rows of a 14 s window a 0.6B encoder's GEMMs already fill a GPU.
+MAX_WINDOW_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -79,10 +96,44 @@ class ChunkWindow:
     frames: int | None
 
 
-class ChunkedStreamPool(SlotPool):
-    """Decoder state for up to `max_streams` chunked streams; see the module docstring."""
+def window_samples(context: ChunkContext, frame_samples: int) -> list[int]:
+    """The distinct lengths (samples) of the regular windows a stream runs, shortest first:
+    [min(c, left) | chunk | right] for chunk starts c = 0, chunk, 2 chunk, ... until the left
+    context is full. A stream's last window is never longer than the regular window at its
+    position, so the longest here bounds every window."""
+    left, chunk, right = (x * frame_samples for x in (context.left, context.chunk, context.right))
+    out, c = [], 0
+    while True:
+        out.append(min(c, left) + chunk + right)
+        if c >= left:
+            return out
+        c += chunk
 
-    def __init__(self, encoder: ConformerEncoder, decoder: TransducerDecoder, logmel: LogMel, max_streams: int):
+
+def window_profiles(context: ChunkContext, frame_samples: int, fcfg: FeatureConfig, max_streams: int,
+                    limit: int = MAX_WINDOW_PROFILES) -> tuple[BucketProfile, ...]:
+    """The encoder's shape buckets for chunked windows: one per distinct window width in feature
+    frames (at most `limit`: evenly spread over them, the widest always kept), tiling 1 ..
+    widest, each of min(max_streams, MAX_WINDOW_BATCH) rows."""
+    frames = sorted({int(fcfg.frame_count(torch.tensor([n]))[0]) for n in window_samples(context, frame_samples)})
+    if len(frames) > limit:
+        frames = sorted({frames[round(i * (len(frames) - 1) / (limit - 1))] for i in range(limit)})
+    rows = max(1, min(max_streams, MAX_WINDOW_BATCH))
+    out, lo = [], 1
+    for f in frames:
+        seconds = f * fcfg.hop_length / fcfg.sample_rate
+        out.append(BucketProfile(seconds, max(f, 1), rows, lo))
+        lo = f + 1
+    return tuple(out)
+
+
+class ChunkedStreamPool(SlotPool):
+    """Decoder state for up to `max_streams` chunked streams; see the module docstring.
+    `encoder`: the model's encoder, or a backend around it (`StreamingModel.new_pool` gives one
+    bucketed on `window_profiles`)."""
+
+    def __init__(self, encoder: ConformerEncoder | EncoderBackend, decoder: TransducerDecoder, logmel: LogMel,
+                 max_streams: int):
         super().__init__(max_streams)
         self.encoder = encoder
         self.dec = DecoderSlots(decoder, max_streams)

@@ -12,8 +12,10 @@ import soundfile as sf
 import torch
 
 from conftest import NEMO_REF, needs_shared
-from engines.chunked_pool import ChunkContext, ChunkWindow
+from engines.chunked_pool import MAX_WINDOW_BATCH, ChunkContext, ChunkWindow, window_profiles
 from engines.decode_stages import label_looping_decode
+from engines.loader import OptionError
+from engines.encoder_backend import in_chunks, pick_bucket, pick_profile, run_padded
 from engines.slot_pool import PoolExhausted
 from transcribe.bench import edit_distance
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
@@ -173,11 +175,13 @@ def test_batched_at_different_positions_equals_alone(variant):
     _assert_batched_equals_alone(_model(name, 480, 1600, 320), files)
 
 
-def _assert_batched_equals_alone(model: StreamingModel, files: list[dict]) -> None:
+def _assert_batched_equals_alone(model: StreamingModel, files: list[dict], alone_model: StreamingModel | None = None
+                                 ) -> None:
     """The files streamed together on 3 slots (staggered opens and paces, some waiting) give
-    each file's tokens, frames and partial texts streamed alone; steps were 3 wide and mixed
-    first windows with later ones; the pool is whole after."""
-    alone = {i: _stream(model, f["samples"]) for i, f in enumerate(files)}
+    each file's tokens, frames and partial texts streamed alone (through `alone_model`, default
+    the same model); steps were 3 wide and mixed first windows with later ones; the pool is
+    whole after."""
+    alone = {i: _stream(alone_model or model, f["samples"]) for i, f in enumerate(files)}
     sched = Scheduler(model, SchedulerConfig(max_streams=3, max_waiting=8))
     paces = [3000, 5000, 2000, 8000, 4000, 6000, 2500, 7000]
     seen = {"widest": 0, "mixed": False}
@@ -194,6 +198,76 @@ def _assert_batched_equals_alone(model: StreamingModel, files: list[dict]) -> No
         assert texts[i] == ref_texts
     assert seen["widest"] == 3 and seen["mixed"]
     assert sched.pool.free_slots == 3 and not sched.active and not sched.waiting
+
+
+def _windows(model: StreamingModel, samples: int) -> list[ChunkWindow]:
+    """Every window one session of `samples` samples (all pushed, then ended) runs, in order."""
+    s = model.new_session("w")
+    s.slot = 0
+    s.push_audio(np.zeros(samples, dtype=np.float32))
+    s.end()
+    out = []
+    while (w := s.next_chunk()) is not None:
+        out.append(w)
+    return out
+
+
+@pytest.mark.parametrize("context_ms", [(2000, 10000, 2000), (480, 1600, 320), (80, 2000, 0)])
+def test_window_profiles_hold_every_window_a_stream_runs(context_ms):
+    """The encoder's buckets (CUDA graphs on a GPU, captured at startup) cover every window of
+    streams of any length: regular windows land on a bucket of their exact width while there
+    are few widths (no padding), the last ones in the next bucket up, none past the widest."""
+    model = _model("tdt_tiny", *context_ms)
+    fcfg, sr = model.engine.feature_cfg, model.sample_rate
+    profiles = window_profiles(model.context, model.frame_samples, fcfg, max_streams=200)
+    assert 1 <= len(profiles) <= 8 and all(p.max_batch == MAX_WINDOW_BATCH for p in profiles)
+    assert window_profiles(model.context, model.frame_samples, fcfg, max_streams=3)[0].max_batch == 3
+    c = model.context
+    widest = int(fcfg.frame_count(torch.tensor([(c.left + c.chunk + c.right) * model.frame_samples]))[0])
+    assert profiles[-1].frames == widest and profiles[0].min_frames == 1
+    exact = {p.frames for p in profiles}
+    regular_widths = set()
+    for seconds in (0.3, 1.0, 2.71, 4.5, 9.99, 13.37, 21.0):
+        for w in _windows(model, int(seconds * sr)):
+            frames = int(fcfg.frame_count(torch.tensor([w.audio.shape[0]]))[0])
+            assert pick_profile(profiles, frames) is not None, (context_ms, seconds, frames)
+            if w.frames is not None:
+                regular_widths.add(frames)
+    if len(regular_widths) <= 8:
+        assert regular_widths <= exact, (regular_widths, exact)
+    else:  # (80, 2000, 0): 26 widths share 8 buckets
+        assert len(regular_widths) == 26 and len(profiles) == 8
+
+
+class _PaddedToBuckets:
+    """The eager encoder fed exactly what the CUDA-graph backend feeds its graphs: each batch
+    padded to its (rows, width) bucket (extra rows of length 0, extra frames of pad value), the
+    outputs sliced back. Counts the batches that were padded."""
+
+    def __init__(self, encoder, profiles, pad_value: float):
+        self.encoder, self.profiles, self.pad_value, self.padded = encoder, profiles, pad_value, 0
+
+    def __call__(self, features, lengths):
+        return in_chunks(self._one, features, lengths, self.profiles[0].max_batch)
+
+    def _one(self, features, lengths):
+        bucket = pick_bucket(self.profiles, features.shape[0], features.shape[2])
+        self.padded += bucket != (features.shape[0], features.shape[2])
+        return run_padded(self.encoder, features, lengths, bucket, self.pad_value)
+
+
+def test_windows_padded_to_their_buckets_decode_as_unpadded(variant):
+    """What the CUDA graphs change about a chunked step, checked on the CPU: every batch of
+    windows padded to its bucket (rows and width). Streams batched at different positions
+    still give each stream's tokens, frames and partial texts streamed alone, unpadded."""
+    name, files = variant
+    plain, padded = _model(name, 480, 1600, 320), _model(name, 480, 1600, 320)
+    e = padded.engine
+    backend = _PaddedToBuckets(e.encoder, window_profiles(padded.context, padded.frame_samples, e.feature_cfg, 3),
+                               e.feature_cfg.pad_value)
+    padded._window_encoder = lambda max_streams: backend
+    _assert_batched_equals_alone(padded, files, alone_model=plain)
+    assert backend.padded > 0
 
 
 def test_pool_slots_reset_and_context_validation():
@@ -241,6 +315,15 @@ def test_cache_aware_checkpoint_keeps_its_own_chunking():
     with pytest.raises(ValueError, match="cache-aware"):
         StreamingModel.from_nemo(path, chunk_ms=1000)
     assert _model("tdt_tiny", 2000, 10000, 2000).mode == "chunked"
+    # the window encoder's backend: chunked streaming's to choose; one this machine has
+    with pytest.raises(OptionError, match="cache-aware"):
+        StreamingModel.from_nemo(path, encoder_backend="cuda-graphs")
+    with pytest.raises(OptionError, match="streaming takes one of auto, torch, cuda-graphs"):
+        StreamingModel.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo", encoder_backend="tensorrt")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            StreamingModel.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo", encoder_backend="cuda-graphs")
+    assert _model("tdt_tiny", 2000, 10000, 2000).new_pool(1).encoder.name == "torch"  # auto on the CPU
 
 
 @pytest.mark.gpu
@@ -253,9 +336,29 @@ def test_on_cuda_window_features_run_there_and_streams_batched_equal_alone():
     files = _files("tdt_tiny")
     engine = ParakeetEngine.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo", "cuda", encoder_backend="torch",
                                       decoder_mode="eager")
-    model = StreamingModel(engine, chunk_ms=480, left_ms=1600, right_ms=320)
+    model = StreamingModel(engine, chunk_ms=480, left_ms=1600, right_ms=320, encoder_backend="torch")
     window = torch.from_numpy(files[2]["samples"][:40000])
     on_gpu, on_cpu = model.new_pool(1).features(window), _model("tdt_tiny", 480, 1600, 320).new_pool(1).features(window)
     assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape
     torch.testing.assert_close(on_gpu.cpu(), on_cpu, atol=1e-3, rtol=1e-3)
     _assert_batched_equals_alone(model, files)
+
+
+@pytest.mark.gpu
+def test_on_cuda_window_encoder_graphs_are_captured_at_startup_and_decode_as_eager():
+    """The chunked pool's default encoder on CUDA: CUDA graphs, one per (batch, window width)
+    bucket up to the pool's streams, captured when the pool is made (so a step never pays a
+    capture or a first-of-its-shape launch), each checked against eager; streams batched at
+    different positions through them give each stream's tokens alone through eager torch."""
+    from engines.parakeet import ParakeetEngine
+
+    files = _files("tdt_tiny")
+    engine = ParakeetEngine.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo", "cuda", encoder_backend="torch",
+                                      decoder_mode="eager")
+    graphs = StreamingModel(engine, chunk_ms=480, left_ms=1600, right_ms=320)
+    eager = StreamingModel(engine, chunk_ms=480, left_ms=1600, right_ms=320, encoder_backend="torch")
+    pool = graphs.new_pool(3)
+    assert pool.encoder.name == "cuda-graphs" and pool.encoder.off is None
+    profiles = window_profiles(graphs.context, graphs.frame_samples, engine.feature_cfg, 3)
+    assert set(pool.encoder.graphs) == {(b, p.frames) for p in profiles for b in (1, 2, 3)}
+    _assert_batched_equals_alone(graphs, files, alone_model=eager)

@@ -33,7 +33,8 @@ def test_option_values_that_cannot_work_are_usage_errors():
                  ("serve", "--model", MODEL, "--idle-timeout", "0"),
                  ("serve", "--model", MODEL, "--device", "bogus"),
                  ("serve", "--model", MODEL, "--dtype", "bogus"),
-                 ("serve", "--model", MODEL, "--log-level", "loud")):
+                 ("serve", "--model", MODEL, "--log-level", "loud"),
+                 ("serve", "--model", MODEL, "--encoder-backend", "tensorrt")):
         p = _cli(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
 

@@ -410,6 +410,9 @@ def serve(
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
     device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
     dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    encoder_backend: str = typer.Option("auto", "--encoder-backend", help="Offline-trained models' window encoder: "
+                                        "auto (cuda-graphs on CUDA, captured at startup per window width and batch size; "
+                                        "torch on the CPU), torch or cuda-graphs."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info (the address served, "
                                   "the chunking, clients gone), warning (slow clients dropped) or error."),
 ) -> None:
@@ -418,8 +421,13 @@ def serve(
     from transcribe.streaming.cli_commands import LOG_LEVELS
     from transcribe.streaming.cli_commands import serve as run_server
 
+    from transcribe.streaming.scheduler import STREAM_BACKENDS
+
     if log_level.lower() not in LOG_LEVELS:
         raise _fail(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}", EXIT_USAGE)
+    if encoder_backend not in STREAM_BACKENDS:  # before a big model's minute of loading
+        raise _fail(f"--encoder-backend {encoder_backend!r}: serve takes one of {', '.join(STREAM_BACKENDS)}",
+                    EXIT_USAGE)
     _check_runtime(device, dtype)
     _check_streaming(chunk_ms, left_ms, right_ms)
     try:
@@ -427,7 +435,7 @@ def serve(
                             idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s, ws_port=ws_port,
                             chunk_ms=chunk_ms, left_ms=left_ms,
                             right_ms=right_ms, device=pick_device(device), dtype=dtype,
-                            log_level=log_level.lower())
+                            log_level=log_level.lower(), encoder_backend=encoder_backend)
     except OptionError as e:  # chunking options this model does not take
         raise _fail(str(e), EXIT_USAGE)
     except (ValueError, OSError) as e:

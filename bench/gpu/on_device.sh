@@ -145,8 +145,9 @@ gpu_bench() {  # gpu_bench NAME ARGS...: $OUT/gpu_bench_NAME.json (rewritten aft
     --json "$OUT/gpu_bench_$name.json" "$@" 2>&1 | tee "$OUT/gpu_bench_$name.log"
 }
 stream_loads() {  # stream_loads NAME DTYPE "STREAMS..." ["CHUNK LEFT RIGHT" (ms) ...]: streaming_load.py
-  # per chunking (none given: the server's default) and stream count; each run's whole output
-  # in $OUT/NAME[_C_L_R]_N.out and its JSON beside it, the result and server lines in $OUT/NAME.log
+  # per chunking (none given: the server's default) and stream count, with $LOAD_ARGS added
+  # (e.g. --encoder-backend torch); each run's whole output in $OUT/NAME[_C_L_R]_N.out and its
+  # JSON beside it, the result and server lines appended to $OUT/NAME.log
   local name=$1 dtype=$2 counts=$3 cfg n c l r tag label
   shift 3
   local cfgs=("$@")
@@ -161,11 +162,12 @@ stream_loads() {  # stream_loads NAME DTYPE "STREAMS..." ["CHUNK LEFT RIGHT" (ms
       tag="${name}_${c}_${l}_${r}" label="$c/$l/$r ms"
     fi
     for n in $counts; do
+      # shellcheck disable=SC2086  # LOAD_ARGS: words on purpose
       python3 bench/streaming_load.py --model "$MODEL" --streams "$n" --files 20 --device cuda --dtype "$dtype" \
-        ${chunking[@]+"${chunking[@]}"} --audio "$AUDIO" --json "$OUT/${tag}_$n.json" 2>&1 \
-        | tee "$OUT/${tag}_$n.out" | grep -E "^(streams|server:)" | sed "s|^|$dtype $label: |"
+        ${chunking[@]+"${chunking[@]}"} ${LOAD_ARGS:-} --audio "$AUDIO" --json "$OUT/${tag}_$n.json" 2>&1 \
+        | tee "$OUT/${tag}_$n.out" | grep -E "^(streams|server:)" | sed "s|^|$dtype $label${LOAD_ARGS:+ $LOAD_ARGS}: |"
     done
-  done | tee "$OUT/$name.log"
+  done | tee -a "$OUT/$name.log"
 }
 COMPILE_TEST=tests/test_encoder_backends_gpu.py::test_compile_tokens_identical_to_eager_on_cuda
 stage() {
@@ -233,8 +235,12 @@ stage() {
     stream)  # the server's defaults: fp32, NeMo's chunking (2 s, 10 s left, 2 s right)
       stream_loads stream auto "64 128 256"
       ;;
-    stream-bf16)  # bf16 encoder; NeMo's chunking, then 1 s, 4 s left, 1 s right
+    stream-bf16)  # bf16 encoder; NeMo's chunking, then 1 s, 4 s left, 1 s right; window encoder
+      # CUDA graphs (the default on CUDA), then eager at 128 streams for the same-call ratio,
+      # then 60 s streams (each file repeated): the steady state rather than the first steps
       stream_loads stream_bf16 bfloat16 "32 64 128" "2000 10000 2000" "1000 4000 1000"
+      LOAD_ARGS="--encoder-backend torch" stream_loads stream_bf16_eager bfloat16 "128" "2000 10000 2000"
+      LOAD_ARGS="--min-stream-s 60" stream_loads stream_bf16_long bfloat16 "128 256" "2000 10000 2000"
       ;;
     features)
       make_model

@@ -30,22 +30,25 @@ def log_to_stderr(level: int, fmt: str) -> None:
 
 
 def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: float | None = None,
-                         right_ms: float | None = None, device: str = "cpu", dtype: str = "auto") -> StreamingModel:
+                         right_ms: float | None = None, device: str = "cpu", dtype: str = "auto",
+                         encoder_backend: str = "auto") -> StreamingModel:
     """A registry name or a `.nemo` path -> StreamingModel: cache-aware checkpoints stream with
     their trained chunking, offline-trained TDT / RNN-T ones in chunks with left and right
-    context (None = NeMo's 2 s chunk, 10 s left, 2 s right). OptionError (a usage error) for a
-    Whisper model, before it loads; ValueError for anything else."""
+    context (None = NeMo's 2 s chunk, 10 s left, 2 s right), their encoder through
+    `encoder_backend` (see StreamingModel). OptionError (a usage error) for a Whisper model,
+    before it loads; ValueError for anything else."""
     from engines.loader import OptionError, choose_model, is_whisper, load_engine
     from engines.parakeet import ParakeetEngine
 
     if is_whisper(choose_model(model)):
         raise OptionError(f"{model} is a Whisper model: streaming takes FastConformer transducers "
                           "(TDT / RNN-T .nemo) only")
-    # Streaming steps are small batches of short chunks: eager torch (no bucketed graphs).
+    # The offline engine's own backend and decoder graphs are bucketed for whole pieces, which
+    # streaming never runs: eager here, and the streaming pool builds what its steps need.
     engine = load_engine(model, device=device, encoder_backend="torch", decoder_mode="eager", dtype=dtype)
     if not isinstance(engine, ParakeetEngine):
         raise ValueError(f"model {model!r} is not a FastConformer transducer checkpoint")
-    sm = StreamingModel(engine, chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
+    sm = StreamingModel(engine, chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms, encoder_backend=encoder_backend)
     if sm.context is not None:
         fs = sm.frame_samples / sm.sample_rate
         c = sm.context
@@ -119,15 +122,15 @@ def _print_message(echo, msg: dict, as_json: bool) -> None:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: int = 16, max_waiting: int = 64,
           idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
           left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto",
-          max_backlog_s: float = 120.0, log_level: str = "info") -> int:
+          max_backlog_s: float = 120.0, log_level: str = "info", encoder_backend: str = "auto") -> int:
     """Run the streaming server until SIGINT / SIGTERM (see transcribe/streaming/protocol.py):
     TCP on `port`, and the same protocol over WebSocket on `ws_port` when given (None = no
     WebSocket). chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None =
-    defaults). Returns the exit status: 128 + the signal that stopped it, or 1 when the engine
+    defaults); encoder_backend: the chunked pool's (auto: CUDA graphs on CUDA). Returns the exit status: 128 + the signal that stopped it, or 1 when the engine
     died of a bug (the server stops rather than leave every stream waiting). log_level: ours
     (`log_to_stderr`)."""
     log_to_stderr(LOG_LEVELS[log_level], "%(asctime)s %(levelname)s %(message)s")
-    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype)
+    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype, encoder_backend)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
                        max_waiting=max_waiting, idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s)
     return asyncio.run(serve_forever(sm, cfg))

@@ -23,8 +23,9 @@ from typing import Sequence
 import torch
 
 from engines.chunked_pool import (DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, ChunkContext,
-                                  ChunkedStreamPool, ChunkWindow)
+                                  ChunkedStreamPool, ChunkWindow, window_profiles)
 from engines.decode_stages import Hypothesis
+from engines.encoder_backend import make_backend, resolve_backend
 from engines.loader import OptionError
 from engines.parakeet import ParakeetEngine
 from engines.stream_pool import ChunkInput, StreamPool
@@ -35,6 +36,11 @@ from transcribe.features import LogMel
 from transcribe.streaming.chunked_session import ChunkedSession
 from transcribe.streaming.session import IncrementalLogMel, SessionBase, SessionState, StreamSession
 from transcribe.streaming.transcript import StreamTranscript, Update
+
+
+# Encoder backends of chunked streaming (`engines.encoder_backend`): its windows are short and
+# their shapes few, so TensorRT's engine build and torch.compile's are not offered here.
+STREAM_BACKENDS = ("auto", "torch", "cuda-graphs")
 
 
 class Busy(RuntimeError):
@@ -58,12 +64,16 @@ class SchedulerConfig:
 class StreamingModel:
     """The pieces of a loaded transducer `.nemo` that streaming needs. A cache-aware checkpoint
     streams with its own trained chunking; an offline-trained one streams in chunks with left
-    and right context (`chunk_ms`, `left_ms`, `right_ms`; None = NeMo's 2 s / 10 s / 2 s)."""
+    and right context (`chunk_ms`, `left_ms`, `right_ms`; None = NeMo's 2 s / 10 s / 2 s), its
+    encoder through `encoder_backend` (auto: CUDA graphs per window bucket on CUDA, eager torch
+    on the CPU; `engines.chunked_pool`)."""
 
     def __init__(self, engine: ParakeetEngine, chunk_ms: float | None = None, left_ms: float | None = None,
-                 right_ms: float | None = None):
+                 right_ms: float | None = None, encoder_backend: str = "auto"):
         if engine.kind not in ("rnnt", "tdt") or not isinstance(engine.decoder, TransducerDecoder):
             raise ValueError(f"streaming needs an RNN-T or TDT transducer checkpoint, {engine.name} decodes {engine.kind}")
+        if encoder_backend not in STREAM_BACKENDS:
+            raise OptionError(f"--encoder-backend {encoder_backend!r}: streaming takes one of {', '.join(STREAM_BACKENDS)}")
         self.engine = engine
         self.logmel = LogMel(engine.feature_cfg, torch.from_numpy(engine.frontend.window),
                              torch.from_numpy(engine.frontend.fb))
@@ -73,6 +83,10 @@ class StreamingModel:
             self.encoder: CacheAwareEncoder | None = CacheAwareEncoder(engine.encoder)
         except ValueError:  # not trained for cache-aware streaming: chunked with context instead
             self.encoder = None
+        if self.encoder is not None and encoder_backend not in ("auto", "torch"):
+            raise OptionError(f"{engine.name} is a cache-aware streaming checkpoint: its chunk step runs in eager "
+                              "torch; --encoder-backend is for offline-trained models")
+        self.encoder_backend = resolve_backend(encoder_backend, str(engine.device))  # ValueError: cuda-graphs on a CPU
         if self.encoder is not None and given:  # OptionError: a usage error (exit 2), as --language for Parakeet
             raise OptionError(f"{engine.name} is a cache-aware streaming checkpoint: it streams with its own "
                              "trained chunk size; --chunk-ms/--left-context-ms/--right-context-ms are for "
@@ -110,7 +124,8 @@ class StreamingModel:
         `max_streams` of them do not fit in memory."""
         try:
             if self.encoder is None:
-                return ChunkedStreamPool(self.engine.encoder, self.engine.decoder, self.logmel, max_streams)
+                return ChunkedStreamPool(self._window_encoder(max_streams), self.engine.decoder, self.logmel,
+                                         max_streams)
             return StreamPool(self.encoder, self.engine.decoder, max_streams)
         except RuntimeError as e:
             if not heap.out_of_memory(e):
@@ -118,6 +133,16 @@ class StreamingModel:
             raise ValueError(f"cannot allocate the cache pool for --max-streams {max_streams} on "
                              f"{self.engine.device}: {str(e).strip().splitlines()[0][:200]}; "
                              "give a smaller --max-streams") from None
+
+    def _window_encoder(self, max_streams: int):
+        """The chunked pool's encoder backend, bucketed on this chunking's window widths and,
+        for CUDA graphs, captured now (startup) for batches of up to `max_streams` windows; a
+        capture that fails or disagrees with eager turns the graphs off, logged once."""
+        e = self.engine
+        profiles = window_profiles(self.context, self.frame_samples, e.feature_cfg, max_streams)
+        backend = make_backend(self.encoder_backend, e.encoder, profiles, e.feature_cfg.pad_value)
+        backend.reserve(max_streams)
+        return backend
 
     def new_session(self, stream_id: str) -> StreamSession | ChunkedSession:
         e = self.engine
