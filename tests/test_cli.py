@@ -373,6 +373,9 @@ def test_bench_report_has_the_contract_fields(tmp_path):
         assert key in r
     assert r["files"] == 3 and r["wer"] == 0.0  # references are the model's own transcripts
     assert r["rtfx"] > 0 and r["stages"]["encoder"] > 0 and "RTFx" in p.stdout
+    # the job's thread: waiting for its workers with nothing to run (at least the first piece:
+    # workers start and decode before it) and storing results; each within the run's wall time
+    assert 0 < r["stages"]["wait_for_pieces"] < r["wall_seconds"] and 0 < r["stages"]["settle"] < r["wall_seconds"]
     # how the model ran, as the startup line says it: two reports can say why they differ
     assert r["runtime"] and f"({r['runtime']})" in p.stderr and r["settings"] == {}
     for folder in (str(tmp_path), ""):  # refused before the run, not after it with a traceback

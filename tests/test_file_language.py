@@ -187,6 +187,7 @@ def test_held_pieces_of_a_file_that_fails_while_they_are_batched_give_their_slot
 
     job = pipeline._Job.__new__(pipeline._Job)
     job.engine, job.outputs, job.split_at_s = _Detecting(), _Outputs(), float("inf")
+    job.stats = pipeline.RunStats()
     job.languages = FileLanguages()
     job.files = {0: pipeline._File(InputFile(Path("/a.wav"), Path("a.wav")))}
     pool, slab = _Pool(), _Slab()

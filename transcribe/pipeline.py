@@ -205,7 +205,7 @@ class _Job:
                     # the model being free, run the fullest bucket rather than wait for more:
                     # pieces arriving meanwhile make the next batch, so batches grow exactly
                     # when the model is the bottleneck.
-                    for event in _events(pool, 0.0 if len(batcher) else IDLE_S):
+                    for event in _events(pool, 0.0 if len(batcher) else IDLE_S, self.stats.stage_seconds):
                         self._on_event(event, batcher, pool, slab)
                     if len(batcher):
                         self._run_batch(batcher.take(), batcher, pool, slab)
@@ -258,6 +258,14 @@ class _Job:
             raise
         finally:
             heap.trim()  # what the batch's tensors freed goes back to the system
+        t0 = time.perf_counter()
+        self._store(batch, outcomes, batcher, pool, slab)
+        self.stats.stage_seconds["settle"] += time.perf_counter() - t0
+
+    def _store(self, batch: list[Piece], outcomes: list[Result | str], batcher: Batcher[Piece], pool: WorkerPool,
+               slab: Slab) -> None:
+        """A batch's outcomes into their files (stitched and handed to the writer when complete);
+        the time this takes on the job's thread is the stage "settle"."""
         failed: dict[int, str] = {}
         for p, r in zip(batch, outcomes):
             if isinstance(r, str) and p.fid in self.files:
@@ -354,10 +362,20 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
 
 
-def _events(pool: WorkerPool, timeout: float) -> Iterator[tuple]:
-    """The events waiting now, after waiting up to `timeout` s for the first one."""
+def _events(pool: WorkerPool, timeout: float, stage_seconds: dict[str, float]) -> Iterator[tuple]:
+    """The events waiting now, after waiting up to `timeout` s for the first one. That wait is
+    the model idle for want of pieces (nothing batched): charged to the stage
+    "wait_for_pieces", which says whether a run was bound by its workers or by the engine."""
     try:
-        yield pool.events.get(timeout=timeout) if timeout > 0 else pool.events.get_nowait()
+        if timeout > 0:
+            t0 = time.perf_counter()
+            try:
+                event = pool.events.get(timeout=timeout)
+            finally:
+                stage_seconds["wait_for_pieces"] += time.perf_counter() - t0
+            yield event
+        else:
+            yield pool.events.get_nowait()
     except queue.Empty:
         return
     while True:
