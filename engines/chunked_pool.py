@@ -133,10 +133,13 @@ class ChunkedStreamPool(SlotPool):
     bucketed on `window_profiles`)."""
 
     def __init__(self, encoder: ConformerEncoder | EncoderBackend, decoder: TransducerDecoder, logmel: LogMel,
-                 max_streams: int):
+                 max_streams: int, max_frames: int | None = None):
+        """max_frames: the most encoder frames a step decodes for one stream (chunk + right, a
+        last window's), for which the decoder's graphs are built now on CUDA (else at the
+        first step)."""
         super().__init__(max_streams)
         self.encoder = encoder
-        self.dec = DecoderSlots(decoder, max_streams)
+        self.dec = DecoderSlots(decoder, max_streams, max_frames)
         self.device = self.dec.device
         # The windows' log-mel runs on the model's device (a copy: the caller's stays put). On
         # the host it was the biggest part of a step: 8 ms a 14 s window on the dev VM, and

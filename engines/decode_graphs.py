@@ -125,8 +125,10 @@ class StaticState:
         active_any = torch.zeros((), dtype=torch.bool, device=device)
         advance_any = torch.zeros((), dtype=torch.bool, device=device)
 
+        self.prediction, self.joint = prediction, joint
+
         def before() -> None:
-            reset_state(state, self.len_in, prediction, joint, cfg)
+            self._start()
             torch.any(state.active, out=active_any)
 
         def head() -> None:
@@ -144,6 +146,11 @@ class StaticState:
             torch.any(state.active, out=active_any)
 
         self.pieces = Pieces(before, head, inner, after, active_any, advance_any)
+
+    def _start(self) -> None:
+        """The loop's start, captured as part of `before`: clear the state and prime the
+        prediction network with SOS (`engines.slot_decode` starts from each stream's state)."""
+        reset_state(self.state, self.len_in, self.prediction, self.joint, self.cfg)
 
     def fits(self, batch: int, frames: int) -> bool:
         return batch <= self.max_batch and frames <= self.max_frames
@@ -365,6 +372,8 @@ class ModeSelection:
 class GraphDecoder(ModeSelection):
     """Mode selection, static state, capture and fallback for one TransducerDecoder."""
 
+    state_class = StaticState  # what _build captures over (`engines.slot_decode` resumes streams)
+
     def __init__(self, prediction: "PredictionNetwork", joint: "Joint", cfg: "TransducerConfig",
                  mode: DecodeMode = DecodeMode.EAGER, capture: bool = True):
         super().__init__(mode, capture)
@@ -412,7 +421,7 @@ class GraphDecoder(ModeSelection):
         self._drop()  # drop old graphs first, so their memory is free before the new capture
 
         def capture(mode: DecodeMode) -> tuple[StaticState, DirectRunner | UnrolledRunner | FullGraphRunner]:
-            static = StaticState(self.prediction, self.joint, self.cfg, max_batch, max_frames, dtype, device)
+            static = self.state_class(self.prediction, self.joint, self.cfg, max_batch, max_frames, dtype, device)
             if not self.capture:
                 return static, DirectRunner(static, None)
             self.pool = fresh_graph_pool(device)  # shared only by this runner's graphs

@@ -13,16 +13,17 @@ of encoder frames with the offline label-looping stage functions (`engines.decod
     frames    [S]         encoder frames decoded so far (token frames are stream-absolute)
 
 Both the cache-aware pool (`engines.stream_pool`) and the chunked one (`engines.chunked_pool`)
-use these, so RNN-T and TDT decode the same way in either.
+use these, so RNN-T and TDT decode the same way in either, in the offline decoder's modes
+(`engines.slot_decode`: eager on the CPU, the full graph on CUDA).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from engines.decode_stages import (DecodeBuffers, DecodeState, Hypothesis, clear_state, collect, run_label_looping,
-                                   state_view)
-from engines.transducer import TransducerConfig, TransducerDecoder
+from engines.decode_stages import Hypothesis
+from engines.slot_decode import SlotGraphDecoder
+from engines.transducer import TransducerDecoder
 
 
 class PoolExhausted(RuntimeError):
@@ -62,12 +63,19 @@ class SlotPool:
 
 
 class DecoderSlots:
-    """Per-slot decoder state of a pool (see the module docstring) and its continuation."""
+    """Per-slot decoder state of a pool (see the module docstring) and its continuation, in the
+    decoder `mode` (`engines.slot_decode`: auto = eager on the CPU, graphs on CUDA, built now
+    for steps of up to `max_streams` rows of `max_frames` encoder frames when that is given)."""
 
-    def __init__(self, decoder: TransducerDecoder, max_streams: int):
+    def __init__(self, decoder: TransducerDecoder, max_streams: int, max_frames: int | None = None,
+                 mode: str = "auto"):
         self.decoder = decoder
         ref = next(iter(decoder.joint.parameters()))
         self.device, self.dtype = ref.device, ref.dtype
+        self.graphs = SlotGraphDecoder(decoder.prediction, decoder.joint, decoder.config)
+        self.graphs.set_mode(mode, self.device)
+        if max_frames is not None:
+            self.graphs.prepare(max_streams, max_frames, self.dtype, self.device)
         with torch.inference_mode():
             self._sos = self._prime()  # (h, c, pred_out) after the blank (SOS) symbol, batch 1
         h0, c0, g0 = self._sos
@@ -92,40 +100,19 @@ class DecoderSlots:
         self.time_jump[slot] = 0
         self.frames[slot] = 0
 
+    @torch.inference_mode()  # as offline decoding, where the graphs are captured in it too
     def decode(self, idx: Tensor, enc: Tensor, enc_len: Tensor) -> list[Hypothesis]:
         """Label-looping over enc [B, T, D] (row b = slot idx[b], enc_len[b] valid frames),
         continuing each slot's state; returns the NEW tokens with stream-absolute frames."""
-        dec = self.decoder
         enc_len = enc_len.to(device=self.device, dtype=torch.long)
-        state = continue_state(dec.joint.enc(enc), enc_len, self.h.index_select(1, idx),
-                               self.c.index_select(1, idx), self.pred_out.index_select(0, idx),
-                               self.time_jump.index_select(0, idx), dec.config)
-        run_label_looping(state, dec.prediction, dec.joint, dec.config)
-        self.h.index_copy_(1, idx, state.h)  # same as: h[:, idx] = state.h
-        self.c.index_copy_(1, idx, state.c)
-        self.pred_out.index_copy_(0, idx, state.pred_out)
+        hyps, (h, c, pred_out, time) = self.graphs.resume(
+            self.decoder.joint.enc(enc), enc_len, self.h.index_select(1, idx), self.c.index_select(1, idx),
+            self.pred_out.index_select(0, idx), self.time_jump.index_select(0, idx))
+        self.h.index_copy_(1, idx, h)  # same as: h[:, idx] = h
+        self.c.index_copy_(1, idx, c)
+        self.pred_out.index_copy_(0, idx, pred_out)
         # Every row ends inactive (time >= length): what is past the end starts the next chunk.
-        self.time_jump.index_copy_(0, idx, state.time - enc_len)  # same as: time_jump[idx] = time - len
-        hyps = collect(state, with_durations=dec.config.is_tdt)
+        self.time_jump.index_copy_(0, idx, time - enc_len)  # same as: time_jump[idx] = time - len
         offsets = self.frames.index_select(0, idx).tolist()
         self.frames.index_add_(0, idx, enc_len)  # same as: frames[idx] += enc_len
         return [Hypothesis(h.tokens, [f + off for f in h.frames], h.durations) for h, off in zip(hyps, offsets)]
-
-
-def continue_state(enc_proj: Tensor, lengths: Tensor, h: Tensor, c: Tensor, pred_out: Tensor,
-                   time_jump: Tensor, cfg: TransducerConfig) -> DecodeState:
-    """A `DecodeState` over a new chunk that starts from each row's previous decoder state
-    (LSTM h, c [Lr, B, H] and projected prediction pred_out [B, J] after its last label)
-    instead of priming with SOS, at frame time_jump [B] (0 unless the previous chunk's last
-    TDT step overshot its end). enc_proj [B, T, J], lengths [B] valid frames. The max_symbols
-    counters start afresh, as in NeMo."""
-    B, T, J = enc_proj.shape
-    state = state_view(DecodeBuffers(B, T, cfg, J, enc_proj.dtype, enc_proj.device), enc_proj)
-    clear_state(state, lengths.to(device=enc_proj.device, dtype=torch.long), cfg)
-    state.h.copy_(h)
-    state.c.copy_(c)
-    state.pred_out.copy_(pred_out)
-    state.time.copy_(time_jump)
-    torch.minimum(state.time, state.last_frame, out=state.safe_time)
-    torch.less(state.time, state.lengths, out=state.active)
-    return state

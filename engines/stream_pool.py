@@ -62,7 +62,9 @@ class StreamPool(SlotPool):
         run, else torch). The choice is `self.attention_kernel`."""
         super().__init__(max_streams)
         self.encoder = encoder
-        self.dec = DecoderSlots(decoder, max_streams)
+        # A chunk step decodes at most valid_out_len encoder frames a stream (the decoder's
+        # graphs, on CUDA, are built for that now).
+        self.dec = DecoderSlots(decoder, max_streams, encoder.cfg.valid_out_len)
         self.device = self.dec.device
         self.stage_seconds = StageTimes(self.device)  # per step: batch, encoder, decoder
         init = encoder.initial_caches(max_streams, self.device)  # in the encoder's compute dtype

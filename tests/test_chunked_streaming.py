@@ -345,20 +345,32 @@ def test_on_cuda_window_features_run_there_and_streams_batched_equal_alone():
 
 
 @pytest.mark.gpu
-def test_on_cuda_window_encoder_graphs_are_captured_at_startup_and_decode_as_eager():
-    """The chunked pool's default encoder on CUDA: CUDA graphs, one per (batch, window width)
-    bucket up to the pool's streams, captured when the pool is made (so a step never pays a
-    capture or a first-of-its-shape launch), each checked against eager; streams batched at
-    different positions through them give each stream's tokens alone through eager torch."""
+@pytest.mark.parametrize("name", ["tdt_tiny", "rnnt_tiny"])
+def test_on_cuda_window_encoder_and_decoder_graphs_are_built_at_startup_and_decode_as_eager(name):
+    """The chunked pool's defaults on CUDA: the window encoder as CUDA graphs, one per (batch,
+    window width) bucket up to the pool's streams, and the decoder as one full graph (the
+    resumed start captured too: `engines.slot_decode`), all built when the pool is made, so a
+    step never pays a capture or a first-of-its-shape launch; streams batched at different
+    positions through them give each stream's tokens alone through eager torch."""
+    from engines.decode_graphs import DecodeMode
     from engines.parakeet import ParakeetEngine
 
-    files = _files("tdt_tiny")
-    engine = ParakeetEngine.from_nemo(NEMO_REF / "tdt_tiny" / "model.nemo", "cuda", encoder_backend="torch",
+    files = _files(name)
+    engine = ParakeetEngine.from_nemo(NEMO_REF / name / "model.nemo", "cuda", encoder_backend="torch",
                                       decoder_mode="eager")
     graphs = StreamingModel(engine, chunk_ms=480, left_ms=1600, right_ms=320)
     eager = StreamingModel(engine, chunk_ms=480, left_ms=1600, right_ms=320, encoder_backend="torch")
+    eager_pool = eager.new_pool
+
+    def eager_decoder(max_streams):
+        pool = eager_pool(max_streams)
+        pool.dec.graphs.set_mode("eager", "cuda")
+        return pool
+
+    eager.new_pool = eager_decoder
     pool = graphs.new_pool(3)
     assert pool.encoder.name == "cuda-graphs" and pool.encoder.off is None
     profiles = window_profiles(graphs.context, graphs.frame_samples, engine.feature_cfg, 3)
     assert set(pool.encoder.graphs) == {(b, p.frames) for p in profiles for b in (1, 2, 3)}
+    assert pool.dec.graphs.mode is DecodeMode.FULL_GRAPH and pool.dec.graphs.captures == 1
     _assert_batched_equals_alone(graphs, files, alone_model=eager)

@@ -124,8 +124,10 @@ class StreamingModel:
         `max_streams` of them do not fit in memory."""
         try:
             if self.encoder is None:
+                # A step decodes a chunk, or a last window's chunk + right (+1: its encoder length
+                # rounds up over the whole window).
                 return ChunkedStreamPool(self._window_encoder(max_streams), self.engine.decoder, self.logmel,
-                                         max_streams)
+                                         max_streams, self.context.chunk + self.context.right + 1)
             return StreamPool(self.encoder, self.engine.decoder, max_streams)
         except RuntimeError as e:
             if not heap.out_of_memory(e):
