@@ -9,6 +9,7 @@ file's pieces with text all read in one language."""
 from __future__ import annotations
 
 import random
+from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -91,7 +92,7 @@ class FakeEngine:
 def make_job(engine, n_files):
     job = object.__new__(pipeline._Job)
     job.engine = engine
-    job.stats = SimpleNamespace()
+    job.stats = SimpleNamespace(stage_seconds=defaultdict(float))
     outs = FakeOutputs()
     job.outputs = SimpleNamespace(finished=outs.finished_, fail=outs.fail, flush=outs.flush, rec=outs)
     job.files = {fid: pipeline._File(SimpleNamespace(fid=fid, path=f"f{fid}", offset=None, problem=None))
