@@ -37,7 +37,7 @@ from torch import Tensor
 
 from engines.conformer import ConformerEncoder
 from engines.decode_stages import Hypothesis
-from engines.encoder_backend import BucketProfile, EncoderBackend
+from engines.encoder_backend import BucketProfile, EncoderBackend, tile_profiles
 from engines.slot_pool import DecoderSlots, SlotPool
 from engines.stage_times import StageTimes
 from engines.stream_pool import pad_features
@@ -119,12 +119,7 @@ def window_profiles(context: ChunkContext, frame_samples: int, fcfg: FeatureConf
     if len(frames) > limit:
         frames = sorted({frames[round(i * (len(frames) - 1) / (limit - 1))] for i in range(limit)})
     rows = max(1, min(max_streams, MAX_WINDOW_BATCH))
-    out, lo = [], 1
-    for f in frames:
-        seconds = f * fcfg.hop_length / fcfg.sample_rate
-        out.append(BucketProfile(seconds, max(f, 1), rows, lo))
-        lo = f + 1
-    return tuple(out)
+    return tile_profiles([(f * fcfg.hop_length / fcfg.sample_rate, f, rows) for f in frames])
 
 
 class ChunkedStreamPool(SlotPool):

@@ -74,14 +74,19 @@ def make_profiles(width_of: Callable[[float], int], edges_s: Sequence[float] = D
         raise ValueError(f"bucket edges must be increasing positive seconds, got {list(edges_s)}")
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tile_profiles([(edge, width_of(edge), max(1, min(max_batch, int(batch_seconds // edge))))
+                          for edge in edges_s])
+
+
+def tile_profiles(buckets: Sequence[tuple[float, int, int]]) -> tuple[BucketProfile, ...]:
+    """(seconds, width in frames, rows) per bucket, widths increasing -> profiles whose width
+    ranges tile 1 .. the last width, each from just above the previous one's."""
     out: list[BucketProfile] = []
     lo = 1
-    for edge in edges_s:
-        frames = width_of(edge)
+    for seconds, frames, rows in buckets:
         if frames < lo:
-            raise ValueError(f"bucket edge {edge} s gives width {frames} frames, not above the previous bucket's")
-        rows = max(1, min(max_batch, int(batch_seconds // edge)))
-        out.append(BucketProfile(float(edge), frames, rows, lo))
+            raise ValueError(f"bucket edge {seconds} s gives width {frames} frames, not above the previous bucket's")
+        out.append(BucketProfile(float(seconds), frames, rows, lo))
         lo = frames + 1
     return tuple(out)
 
