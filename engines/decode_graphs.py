@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("transcribe")
 Built = TypeVar("Built")
+Decoded = TypeVar("Decoded")  # what a decoder's batch gives: hypotheses, or with its final state
 
 # A new capture's first batch is decoded eagerly too; the mode falls back when more than this
 # share of its rows (any row, below 4 rows) differ. Same stage functions, but the static buffers
@@ -394,24 +395,38 @@ class GraphDecoder(ModeSelection):
     def decode(self, enc_proj: torch.Tensor, lengths: torch.Tensor, buffers: DecodeBuffers | None = None
                ) -> list[Hypothesis]:
         """enc_proj [B, T, J] on the decoding device, lengths [B] there too -> B hypotheses."""
+        return self.run_mode(enc_proj, lambda static: static.load(enc_proj, lengths),
+                             lambda static: static.result(enc_proj.shape[0]),
+                             lambda: label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.cfg,
+                                                          buffers),
+                             lambda hyps: hyps)
+
+    def run_mode(self, enc_proj: torch.Tensor, load: Callable[["StaticState"], None],
+                 result: Callable[["StaticState"], Decoded], eager: Callable[[], Decoded],
+                 hypotheses: Callable[[Decoded], list[Hypothesis]]) -> Decoded:
+        """One batch [B, T, J] in the mode in use: (re)build the static state if it does not fit,
+        `load` the batch into it, replay, and read `result`; `eager()` where no graph runs (eager
+        mode, or a fallback reached it). A replay error falls back and decodes again; a new
+        capture's first batch is checked against eager (their `hypotheses`). Shared by offline
+        decoding and the streaming one (`engines.slot_decode`), which load and read differently."""
         B, T, _ = enc_proj.shape
         if self.mode is not DecodeMode.EAGER and (self.static is None or not self.static.fits(B, T)):
             self._build(B, T, enc_proj.dtype, enc_proj.device)
         if self.static is None or self.runner is None:  # eager, chosen or fallen back to
-            return label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.cfg, buffers)
-        self.static.load(enc_proj, lengths)
+            return eager()
+        load(self.static)
         try:
             self.runner.run()
         except GRAPH_ERRORS as e:  # a replay the driver refuses: the next mode decodes
             self.replay_failed(e)
-            return self.decode(enc_proj, lengths, buffers)
-        hyps = self.static.result(B)
+            return self.run_mode(enc_proj, load, result, eager, hypotheses)
+        out = result(self.static)
         if self.unverified:
-            eager = label_looping_decode(enc_proj, lengths, self.prediction, self.joint, self.cfg, buffers)
-            if not self.agrees_with_eager([(h.tokens, h.frames, h.durations) for h in hyps],
-                                          [(h.tokens, h.frames, h.durations) for h in eager]):
-                return eager
-        return hyps
+            want = eager()
+            if not self.agrees_with_eager([(h.tokens, h.frames, h.durations) for h in hypotheses(out)],
+                                          [(h.tokens, h.frames, h.durations) for h in hypotheses(want)]):
+                return want
+        return out
 
     def _build(self, batch: int, frames: int, dtype: torch.dtype, device: torch.device) -> None:
         old = self.static

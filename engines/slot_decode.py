@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engines.decode_graphs import GRAPH_ERRORS, DecodeMode, GraphDecoder, StaticState
+from engines.decode_graphs import DecodeMode, GraphDecoder, StaticState
 from engines.decode_stages import (DecodeBuffers, DecodeState, Hypothesis, clear_state, collect, run_label_looping,
                                    state_view)
 
@@ -111,25 +111,12 @@ class SlotGraphDecoder(GraphDecoder):
         """enc_proj [B, T, J], lengths [B] and each row's previous state -> the rows' new
         hypotheses and final state (graph modes: views of static buffers, valid until the next
         call). The inputs are read, never written."""
-        B, T, _ = enc_proj.shape
-        if self.mode is not DecodeMode.EAGER and (self.static is None or not self.static.fits(B, T)):
-            self._build(B, T, enc_proj.dtype, enc_proj.device)
-        if self.static is None or self.runner is None:  # eager, chosen or fallen back to
-            return self._eager(enc_proj, lengths, h, c, pred_out, time_jump)
-        static: ResumingState = self.static
-        static.load_resuming(enc_proj, lengths, h, c, pred_out, time_jump)
-        try:
-            self.runner.run()
-        except GRAPH_ERRORS as e:  # a replay the driver refuses: the next mode decodes
-            self.replay_failed(e)
-            return self.resume(enc_proj, lengths, h, c, pred_out, time_jump)
-        hyps = static.result(B)
-        if self.unverified:
-            eager = self._eager(enc_proj, lengths, h, c, pred_out, time_jump)
-            if not self.agrees_with_eager([(x.tokens, x.frames, x.durations) for x in hyps],
-                                          [(x.tokens, x.frames, x.durations) for x in eager[0]]):
-                return eager
-        return hyps, static.final(B)
+        B = enc_proj.shape[0]
+        return self.run_mode(enc_proj,
+                             lambda static: static.load_resuming(enc_proj, lengths, h, c, pred_out, time_jump),
+                             lambda static: (static.result(B), static.final(B)),
+                             lambda: self._eager(enc_proj, lengths, h, c, pred_out, time_jump),
+                             lambda decoded: decoded[0])
 
     def _eager(self, enc_proj: Tensor, lengths: Tensor, h: Tensor, c: Tensor, pred_out: Tensor,
                time_jump: Tensor) -> tuple[list[Hypothesis], FinalState]:
