@@ -23,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from engines.decode_graphs import DecodeMode  # noqa: E402
+from engines.decode_modes import DecodeMode  # noqa: E402
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder  # noqa: E402
 from engines.whisper_engine import WhisperEngine  # noqa: E402
 from engines.whisper_graph import WhisperGraphs  # noqa: E402

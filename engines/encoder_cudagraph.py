@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from engines.conformer import ConformerEncoder
-from engines.decode_graphs import graph_capture, warm_up
+from engines.decode_modes import graph_capture, warm_up
 from engines.encoder_backend import (BucketProfile, FallbackLog, batch_sizes, bucket_edges, disagreement,
                                      fill_bucket, fill_check_batch, in_chunks, output_frames, pick_bucket,
                                      pick_profile, turned_off)

@@ -67,7 +67,7 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
                 features_on: str = "auto", dtype: str = "auto", backend_options=None, word_timestamps: bool = True,
                 language: str | None = None, task: str = "transcribe", prompt: str | None = None):
     """An engine (see `transcribe.engine_api.Engine`) for `model` on `device`. `decoder_mode` (auto,
-    full-graph, unrolled, eager: engines/decode_graphs.py, engines/whisper_graph.py) applies to
+    full-graph, unrolled, eager: engines/decode_modes.py, decode_graphs.py, whisper_graph.py) applies to
     both families; `encoder_backend` (auto, torch, compile, cuda-graphs, tensorrt:
     engines/encoder_backend.py) to Parakeet models, Whisper's encoder runs eager torch.
     `dtype` (auto, float32, bfloat16, float16; aliases fp32, bf16, fp16: engines/precision.py)

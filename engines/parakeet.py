@@ -20,7 +20,7 @@ import torch
 from engines.checkpoint import NemoArchive, pop_sub_state_dict, sub_state_dict
 from engines.conformer import ConformerEncoder, EncoderConfig
 from engines.ctc import CTCDecoder
-from engines.decode_graphs import DecodeMode
+from engines.decode_modes import DecodeMode
 from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width, make_backend,
                                      resolve_backend)
 from engines.precision import TRT_PRECISION, resolve_dtype
@@ -153,7 +153,7 @@ class ParakeetEngine:
         """Load a `.nemo` checkpoint. `decoding`: auto (transducer if present), or ctc (hybrids).
         `encoder_backend`: auto (cuda-graphs on CUDA, torch on the CPU), torch, compile,
         cuda-graphs or tensorrt (engines/encoder_backend.py). `decoder_mode`: auto, full-graph,
-        unrolled or eager (engines/decode_graphs.py; a graph mode that cannot run falls back,
+        unrolled or eager (engines/decode_modes.py, decode_graphs.py; a graph mode that cannot run falls back,
         logged once). `features_on`: auto (= workers for now), workers or device
         (transcribe/audio_frontend.py). `dtype`: the encoder's compute dtype, auto (= float32),
         float32, bfloat16 (CPUs with bf16 in hardware, CUDA >= sm80) or float16 (CUDA)

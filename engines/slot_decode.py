@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engines.decode_graphs import DecodeMode, GraphDecoder, StaticState
+from engines.decode_graphs import GraphDecoder, StaticState
+from engines.decode_modes import DecodeMode
 from engines.decode_stages import (DecodeBuffers, DecodeState, Hypothesis, clear_state, collect, run_label_looping,
                                    state_view)
 

@@ -28,7 +28,8 @@ from torch import nn
 from engines.checkpoint import sub_state_dict
 from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
 from engines.ctc import CTCHead, ctc_config_from_nemo, greedy_ctc
-from engines.decode_graphs import DecodeMode, GraphDecoder
+from engines.decode_graphs import GraphDecoder
+from engines.decode_modes import DecodeMode
 from engines.decode_stages import DecodeBuffers, Hypothesis, label_looping_decode
 
 SUPPORTED_TARGETS = ("EncDecRNNTBPEModel", "EncDecHybridRNNTCTCBPEModel")

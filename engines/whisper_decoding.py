@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
-from engines.decode_graphs import GRAPH_ERRORS, DecodeMode
+from engines.decode_modes import GRAPH_ERRORS, DecodeMode
 from engines.stage_times import StageTimes
 from engines.whisper import KVCache, Whisper
 from engines.whisper_alignment import Aligner

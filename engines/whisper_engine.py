@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.decode_graphs import DecodeMode
+from engines.decode_modes import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
 from engines.whisper_languages import language_code
 from engines.whisper_words import split_segments

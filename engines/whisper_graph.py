@@ -14,7 +14,7 @@ when they fit one. Every bucket is captured when the static buffers are built (l
 a fresh graph memory pool per build; the warm-up scribbles on the state, which each batch's
 `load` resets).
 Mode selection and the capture fallback full-graph -> unrolled -> eager, logged once, are the
-transducer's (`decode_graphs.ModeSelection`).
+transducer's (`decode_modes.ModeSelection`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engines import cuda_conditional
-from engines.decode_graphs import DecodeMode, ModeSelection, fresh_graph_pool, graph_capture, side_stream, warm_up
+from engines.decode_modes import DecodeMode, ModeSelection, fresh_graph_pool, graph_capture, side_stream, warm_up
 from engines.whisper_static import StaticDecoding
 
 if TYPE_CHECKING:

@@ -352,7 +352,7 @@ def test_on_cuda_window_encoder_and_decoder_graphs_are_built_at_startup_and_deco
     resumed start captured too: `engines.slot_decode`), all built when the pool is made, so a
     step never pays a capture or a first-of-its-shape launch; streams batched at different
     positions through them give each stream's tokens alone through eager torch."""
-    from engines.decode_graphs import DecodeMode
+    from engines.decode_modes import DecodeMode
     from engines.parakeet import ParakeetEngine
 
     files = _files(name)

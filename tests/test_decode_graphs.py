@@ -1,5 +1,6 @@
-"""Decoder modes (engines/decode_graphs.py): the static-shape driver the graphs capture, run on
-CPU without capture, equals eager decoding; mode selection and fallbacks; GPU modes (gpu marker)."""
+"""Decoder modes (engines/decode_graphs.py, decode_modes.py): the static-shape driver the graphs
+capture, run on CPU without capture, equals eager decoding; mode selection and fallbacks; GPU
+modes (gpu marker)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,10 @@ import torch
 from torch import nn
 
 from conftest import NEMO_REF, OFFLINE_VARIANTS, Reference, needs_shared
-from engines import cuda_conditional, decode_graphs
+from engines import cuda_conditional, decode_graphs, decode_modes
 from engines.checkpoint import NemoArchive
-from engines.decode_graphs import DecodeMode, GraphDecoder, select_mode
+from engines.decode_graphs import GraphDecoder
+from engines.decode_modes import DecodeMode, select_mode
 from engines.decode_stages import DecodeBuffers, label_looping_decode
 from engines.transducer import TransducerDecoder, lstm_step_native
 
@@ -143,7 +145,7 @@ def test_missing_cuda_python_selects_unrolled_naming_the_extra(monkeypatch, capl
 def test_auto_on_cuda_is_full_graph_where_conditional_nodes_are_supported(monkeypatch, caplog):
     """"auto" picks the full graph where it can run (not a fallback: no log), and unrolled,
     logged once with the reason, where it cannot."""
-    monkeypatch.setattr(decode_graphs, "full_graph_unsupported", lambda: None)
+    monkeypatch.setattr(decode_modes, "full_graph_unsupported", lambda: None)
     assert select_mode("auto", "cuda") == (DecodeMode.FULL_GRAPH, "auto")
     assert select_mode("full-graph", "cuda") == (DecodeMode.FULL_GRAPH, "requested")
     graphs = GraphDecoder(None, None, None)
@@ -151,7 +153,7 @@ def test_auto_on_cuda_is_full_graph_where_conditional_nodes_are_supported(monkey
         assert graphs.set_mode("auto", "cuda") is DecodeMode.FULL_GRAPH
     assert not [r for r in caplog.records if r.name == "transcribe"]
     monkeypatch.setattr(cuda_conditional, "import_cuda_python", _missing_cuda_python)
-    monkeypatch.setattr(decode_graphs, "full_graph_unsupported", lambda: "cuda-python is missing")
+    monkeypatch.setattr(decode_modes, "full_graph_unsupported", lambda: "cuda-python is missing")
     assert select_mode("auto", "cuda") == (DecodeMode.UNROLLED, "cuda-python is missing")
     with caplog.at_level(logging.WARNING, logger="transcribe"):
         for _ in range(2):
@@ -402,7 +404,7 @@ def _cuda_decoder(variant: str) -> TransducerDecoder:
 @pytest.mark.parametrize("variant", OFFLINE_VARIANTS)
 @pytest.mark.parametrize("mode", ["full-graph", "unrolled"])
 def test_gpu_modes_equal_eager(variant, mode):
-    if mode == "full-graph" and (why := decode_graphs.full_graph_unsupported()) is not None:
+    if mode == "full-graph" and (why := decode_modes.full_graph_unsupported()) is not None:
         pytest.skip(f"full-graph unavailable: {why}")
     ref, dec = Reference(variant), _cuda_decoder(variant)
     assert dec.set_mode(mode) == mode
@@ -457,7 +459,7 @@ def test_gpu_eager_with_larger_reserved_buffers_equals_unreserved(variant):
 @pytest.mark.gpu
 @needs_shared
 def test_gpu_full_graph_capture_failure_falls_back_to_unrolled(monkeypatch, caplog):
-    if (why := decode_graphs.full_graph_unsupported()) is not None:
+    if (why := decode_modes.full_graph_unsupported()) is not None:
         pytest.skip(f"full-graph unavailable: {why}")
 
     def broken_while_loop(self, flag):
@@ -499,15 +501,15 @@ def test_graph_capture_keeps_the_garbage_collector_off_until_the_capture_ends(mo
 
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     assert gc.isenabled()
-    with decode_graphs.graph_capture("g", pool=1):
+    with decode_modes.graph_capture("g", pool=1):
         assert not gc.isenabled()
     assert gc.isenabled() and seen == [("enter", False, {"pool": 1}), ("exit", False)]
-    with pytest.raises(RuntimeError), decode_graphs.graph_capture("g"):
+    with pytest.raises(RuntimeError), decode_modes.graph_capture("g"):
         raise RuntimeError("capture failed")
     assert gc.isenabled()
     gc.disable()
     try:
-        with decode_graphs.graph_capture("g"):
+        with decode_modes.graph_capture("g"):
             pass
         assert not gc.isenabled()  # a caller's own choice is kept
     finally:

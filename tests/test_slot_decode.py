@@ -10,7 +10,7 @@ import torch
 
 from conftest import NEMO_REF, needs_shared
 from engines.chunked_pool import ChunkWindow
-from engines.decode_graphs import DecodeMode
+from engines.decode_modes import DecodeMode
 from engines.slot_decode import ResumingState, SlotGraphDecoder
 from transcribe.streaming.scheduler import StreamingModel
 from streaming_fixtures import files  # noqa: F401  (a fixture)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines import whisper_fallback
-from engines.decode_graphs import DecodeMode
+from engines.decode_modes import DecodeMode
 from engines.whisper import KVCache
 from engines.whisper_decoding import DecodeOptions, WindowResult
 from engines.whisper_fallback import Sampler, last_resort, needs_fallback, sample_seed
@@ -186,9 +186,9 @@ def test_real_loops_are_replaced_on_the_bundled_model():
 def test_gpu_fallback_after_captured_graphs_equals_eager(mode):
     """The fallback reads each window's audio from the graph modes' static buffers (rows moved
     between buckets) and samples with CUDA generators: the same as after eager decoding."""
-    from engines import decode_graphs
+    from engines import decode_modes
 
-    if mode == "full-graph" and (why := decode_graphs.full_graph_unsupported()) is not None:
+    if mode == "full-graph" and (why := decode_modes.full_graph_unsupported()) is not None:
         pytest.skip(f"full-graph unavailable: {why}")
     model = random_whisper("cuda")
     audio = random_audio(model, 6, seed=4)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import SPEECH, bundled_whisper_fp32
-from engines import cuda_conditional, decode_graphs, whisper_graph
-from engines.decode_graphs import DecodeMode
+from engines import cuda_conditional, decode_modes, whisper_graph
+from engines.decode_modes import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
 from engines.whisper_graph import DirectRunner, WhisperGraphs
 from engines.whisper_rules import RuleState, Rules
@@ -416,7 +416,7 @@ def _cuda_engine(dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("mode", ["full-graph", "unrolled"])
 def test_gpu_modes_equal_eager(base, mode, dtype):
-    if mode == "full-graph" and (why := decode_graphs.full_graph_unsupported()) is not None:
+    if mode == "full-graph" and (why := decode_modes.full_graph_unsupported()) is not None:
         pytest.skip(f"full-graph unavailable: {why}")
     engine = _cuda_engine(dtype)
     # Eager attends over the filled positions, the graphs over all through a mask: other
@@ -444,7 +444,7 @@ def test_gpu_modes_equal_eager(base, mode, dtype):
 
 @pytest.mark.gpu
 def test_gpu_full_graph_capture_failure_falls_back_to_unrolled(base, monkeypatch, caplog):
-    if (why := decode_graphs.full_graph_unsupported()) is not None:
+    if (why := decode_modes.full_graph_unsupported()) is not None:
         pytest.skip(f"full-graph unavailable: {why}")
 
     def broken_while_loop(self, flag):

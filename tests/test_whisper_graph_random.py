@@ -11,8 +11,8 @@ from functools import lru_cache
 import pytest
 import torch
 
-from engines import cuda_conditional, decode_graphs
-from engines.decode_graphs import DecodeMode
+from engines import cuda_conditional, decode_modes
+from engines.decode_modes import DecodeMode
 from engines.whisper_decoding import DecodeOptions
 from engines.whisper_graph import DirectRunner, FullGraphRunner, UnrolledRunner, WhisperGraphs
 from whisper_random import (Decoded, assert_follows, assert_same_results, decode_recorded, random_audio,
@@ -167,7 +167,7 @@ def test_static_path_follows_eager_on_random_model_in_bf16():
 # ---- GPU: real capture and replay -------------------------------------------------------------
 
 def _gpu_setup(mode: str, dtype: torch.dtype) -> None:
-    if mode == "full-graph" and (why := decode_graphs.full_graph_unsupported()) is not None:
+    if mode == "full-graph" and (why := decode_modes.full_graph_unsupported()) is not None:
         pytest.skip(f"full-graph unavailable: {why}")
     if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         pytest.skip("no bf16 on this GPU")

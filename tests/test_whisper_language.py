@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import NEMO_REF, SPEECH, bundled_whisper_fp32
-from engines.decode_graphs import DecodeMode
+from engines.decode_modes import DecodeMode
 from engines.whisper_decoding import DecodeOptions
 from engines.whisper_engine import language_options
 from engines.whisper_graph import WhisperGraphs

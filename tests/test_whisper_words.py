@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import SPEECH, bundled_whisper_fp32
-from engines.decode_graphs import DecodeMode
+from engines.decode_modes import DecodeMode
 from engines.whisper import KVCache
 from engines.whisper_alignment import alignment_heads, dtw_paths, median_filter
 from engines.whisper_graph import WhisperGraphs

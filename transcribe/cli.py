@@ -150,7 +150,7 @@ def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: O
     from engines.whisper_languages import language_code
     from transcribe.inputs import InputError, discover, parse_shard, shard
     from transcribe.workers import Prespawned, default_workers
-    from engines.decode_graphs import DecodeMode
+    from engines.decode_modes import DecodeMode
     from engines.encoder_backend import BACKENDS
     from engines.encoder_backend import BackendOptions
     from transcribe.audio_frontend import FEATURES_ON
