@@ -9,7 +9,6 @@ shell reports it), with every file finished so far written; rerunning the comman
 """
 from __future__ import annotations
 
-import math
 import re
 import sys
 import tempfile
@@ -19,7 +18,11 @@ from typing import List, Optional
 
 import typer
 
-EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE, EXIT_SOME_FAILED = 0, 1, 2, 3
+from transcribe.cli_job import interruptible, prepare
+from transcribe.cli_options import (BACKEND_HELP, BATCH_SECONDS_HELP, DECODER_MODE_HELP, DEVICE_HELP, DTYPE_HELP,
+                                    EXIT_NOTHING_RAN, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON_HELP,
+                                    LANGUAGE_HELP, MODEL_HELP, PROMPT_HELP, TASK_HELP, WORKERS_HELP, check_runtime,
+                                    check_streaming, fail, file_path, folder_option, out_folder, refuse_empty)
 
 SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
 
@@ -40,175 +43,6 @@ class _Typer(typer.Typer):
 main_app = _Typer(add_completion=False, pretty_exceptions_enable=False)
 sub_app = _Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
-WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
-BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
-DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (CUDA: full-graph, or unrolled where conditional nodes are unsupported; CPU: eager), full-graph (one CUDA graph with conditional while nodes), unrolled, eager."
-DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: float16 on CUDA, bfloat16 on CPUs with bf16), float32, "
-              "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
-              "decoder staying float32), float16 (CUDA).")
-LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de or german, fr, ... as the model's vocabulary has them), "
-                 "or auto to detect it once per file, from its first piece with speech. Parakeet models take none.")
-PROMPT_HELP = ("Whisper: text the model reads as coming before every piece of every file (OpenAI's initial_prompt): "
-               "names, terms and spellings to use, or a style (punctuation, casing) to follow. Parakeet models take none.")
-TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
-FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
-DEVICE_HELP = "auto, cpu, cuda or cuda:N (auto: cuda when available)."
-BATCH_SECONDS_HELP = "Padded audio seconds per model batch (a batch out of memory runs again in halves)."
-MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def _writable_folder(folder: Path, option: str) -> None:
-    """Create `folder` and write a probe file in it: an --out or --json that cannot be written
-    (a file in the way, no permission, a read-only disk) fails here, before the model loads,
-    not after the whole run with a traceback."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise _fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
-
-
-def _out_folder(folder: Path) -> None:
-    """An --out, checked before the model loads: writable (`_writable_folder`), its
-    results.jsonl a file if there is one, and no other run writing there."""
-    from transcribe.resume import OutputBusy, out_dir_lock
-
-    _writable_folder(folder, "--out")
-    log = folder / "results.jsonl"  # every --out holds one, appended to as files finish
-    if log.exists() and not log.is_file():
-        raise _fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
-    try:  # another run writing there (an overlapping cron job) is found before a model loads for nothing
-        with out_dir_lock(folder):
-            pass
-    except OutputBusy as e:
-        raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
-
-
-def _refuse_empty(args: List[Optional[str]], what: str, names: str = "folder") -> None:
-    """An empty argument (`"$DIR"` with DIR unset) would be Path(""), which is ".": a whole
-    working folder (a cron job's $HOME) walked as INPUT or merged as a shard, transcripts,
-    results.jsonl and the lock written into it, over any same-named .txt there. A usage error
-    instead, before anything is read or written."""
-    if "" in args:
-        raise _fail(f"{what} is empty (an unset variable?): it names no {names}", EXIT_USAGE)
-
-
-def _out_arg(out: Optional[str], option: str = "--out") -> Optional[Path]:
-    """A folder option as typed (--out, export-engine's --cache-dir), refused when empty."""
-    _refuse_empty([out], option)
-    return None if out is None else Path(out)
-
-
-def _file_path(path: Optional[Path], option: str) -> None:
-    """A --json or --onnx that names a folder (or nothing) is a usage error, found before the
-    run rather than when its report is written at the end."""
-    if path is not None and (path.is_dir() or not path.name):
-        raise _fail(f"{option} {str(path) or repr('')}: names a folder, not a file", EXIT_USAGE)
-
-
-def _check_runtime(device: str, dtype: str) -> None:
-    """--device and --dtype name something that exists (whether this machine has it is the
-    model loader's to say)."""
-    from engines.precision import DTYPE_CHOICES
-
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
-        raise _fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)
-    if dtype not in DTYPE_CHOICES:
-        raise _fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
-
-
-def _check_streaming(chunk_ms: Optional[float], left_ms: Optional[float], right_ms: Optional[float]) -> None:
-    """The chunking options of `stream` and `serve`: finite, chunks longer than nothing."""
-    for option, value, least in (("--chunk-ms", chunk_ms, 1e-9), ("--left-context-ms", left_ms, 0.0),
-                                 ("--right-context-ms", right_ms, 0.0)):
-        if value is not None and not (math.isfinite(value) and value >= least):
-            need = "> 0" if least else ">= 0"
-            raise _fail(f"{option} {value}: expected a number of milliseconds {need}", EXIT_USAGE)
-
-
-def _prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
-             workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
-             features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
-             words: bool = True, language: Optional[str] = None, task: str = "transcribe",
-             prompt: Optional[str] = None, out: Optional[Path] = None, report: Optional[Path] = None):
-    """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
-    workers). The workers are spawned before the model loads so their start overlaps it.
-    `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
-    TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
-    `words`: an output shows word times (Whisper aligns words only then). `language`, `task`,
-    `prompt`: --language, --task, --prompt. `out` (--out, `_out_folder`) and `report` (--json: its folder must be
-    writable) are checked once the inputs are known and before the model loads (None: not
-    given)."""
-    from engines.checkpoint import CheckpointError
-    from engines.loader import OptionError, load_engine
-    from engines.whisper_languages import language_code
-    from transcribe.inputs import InputError, discover, parse_shard, shard
-    from transcribe.workers import Prespawned, default_workers
-    from engines.decode_modes import DecodeMode
-    from engines.encoder_backend import BACKENDS
-    from engines.encoder_backend import BackendOptions
-    from transcribe.audio_frontend import FEATURES_ON
-
-    if encoder_backend not in BACKENDS:
-        raise _fail(f"--encoder-backend {encoder_backend!r}: expected one of {', '.join(BACKENDS)}", EXIT_USAGE)
-    if decoder_mode not in [m.value for m in DecodeMode]:
-        raise _fail(f"--decoder-mode {decoder_mode!r}: expected one of {', '.join(m.value for m in DecodeMode)}",
-                    EXIT_USAGE)
-    if features_on not in FEATURES_ON:
-        raise _fail(f"--features-on {features_on!r}: expected one of {', '.join(FEATURES_ON)}", EXIT_USAGE)
-    _check_runtime(device, dtype)
-    if task not in ("transcribe", "translate"):
-        raise _fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
-    if language is not None:
-        try:
-            language = language_code(language)  # EN, English, english: en
-        except ValueError as e:
-            raise _fail(str(e), EXIT_USAGE)
-    if batch_seconds is not None and not math.isfinite(batch_seconds):
-        raise _fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
-    options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
-    try:
-        part = parse_shard(shard_spec) if shard_spec else None
-    except ValueError as e:
-        raise _fail(str(e), EXIT_USAGE)
-
-    _refuse_empty(inputs, "an INPUT", "file or folder")
-    try:
-        found = discover(inputs)
-    except InputError as e:
-        raise _fail(str(e), EXIT_NOTHING_RAN)
-    if not found:
-        raise _fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
-    files = shard(found, part)
-    if out is not None:
-        _out_folder(out)
-    if report is not None:
-        _writable_folder(report.parent, "--json")
-    if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
-        typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
-        return files, None, 0.0, None
-    t0 = time.perf_counter()
-    spares = Prespawned(workers or default_workers())
-    engine = None
-    try:
-        engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
-                             word_timestamps=words, language=language, task=task, prompt=prompt)
-    except OptionError as e:  # an option this model does not take (--language for Parakeet)
-        raise _fail(str(e), EXIT_USAGE)
-    except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
-        raise _fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
-    finally:
-        if engine is None:  # failed or interrupted: the spare workers have nothing to do
-            spares.close()
-    runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
-    typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
-    return files, engine, time.perf_counter() - t0, spares
 
 
 @main_app.command(
@@ -239,20 +73,20 @@ def transcribe(
     from transcribe.pipeline import run
     from transcribe.writers import needs_words, parse_formats
 
-    out = _out_arg(out_arg)
+    out = folder_option(out_arg)
     try:
         formats = parse_formats(fmt)
     except ValueError as e:
-        raise _fail(str(e), EXIT_USAGE)
+        raise fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
-    files, engine, _, spares = _prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
+    files, engine, _, spares = prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words=needs_words(formats), language=language,
                                         task=task, prompt=prompt, out=out)
     if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
         (out / "results.jsonl").touch()
         raise typer.Exit(EXIT_OK)
     with spares:
-        stats = _interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
+        stats = interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares),
                                "run it again without --force to resume" if force else
                                "run the same command again to resume")
@@ -286,15 +120,15 @@ def bench(
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
 
-    _file_path(json_path, "--json")
-    out = _out_arg(out_arg)
+    file_path(json_path, "--json")
+    out = folder_option(out_arg)
     t0 = time.perf_counter()
-    files, engine, load_s, spares = _prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
+    files, engine, load_s, spares = prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
                                              language=language, prompt=prompt, out=out, report=json_path)
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
-        stats = _interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
+        stats = interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
                                            workers=workers, progress=False, prespawned=spares),
                                "a bench measures the whole run: run it again")
         report = build_report(stats, files, engine.name, engine.device, load_s, time.perf_counter() - t0,
@@ -317,54 +151,31 @@ def merge(
     from transcribe.resume import OutputBusy, out_dir_lock, writer_of
     from transcribe.writers import atomic_write_text, results_line
 
-    _refuse_empty(shard_args, "a SHARD_OUT_DIR")
+    refuse_empty(shard_args, "a SHARD_OUT_DIR")
     shard_dirs = [Path(d) for d in shard_args]
-    out = _out_arg(out_arg)
+    out = folder_option(out_arg)
     missing = [str(d) for d in shard_dirs if not (d / "results.jsonl").is_file()]
     if missing:
-        raise _fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
+        raise fail(f"no results.jsonl in: {' '.join(missing)}", EXIT_NOTHING_RAN)
     # A shard still running has logged only the files it finished: its merge would be missing
     # the rest and still exit 0.
     running = [(d, pid) for d in shard_dirs if (pid := writer_of(d)) is not None]
     if running:
-        raise _fail("; ".join(f"{d} is still being written by a transcribe run" + (f" (pid {pid})" if pid else "")
+        raise fail("; ".join(f"{d} is still being written by a transcribe run" + (f" (pid {pid})" if pid else "")
                               for d, pid in running) + ": merge once it has finished", EXIT_NOTHING_RAN)
-    _out_folder(out)
+    out_folder(out)
     try:
         merged = merged_records(shard_dirs, out)
     except OSError as e:  # a shard's log that cannot be read (permissions, an I/O error)
-        raise _fail(f"cannot read {e.filename or 'a shard log'}: {e.strerror or e}", EXIT_NOTHING_RAN)
+        raise fail(f"cannot read {e.filename or 'a shard log'}: {e.strerror or e}", EXIT_NOTHING_RAN)
     try:
         with out_dir_lock(out):  # not while a run writes there
             atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged))
     except OutputBusy as e:
-        raise _fail(f"{e}; wait for it to finish", EXIT_NOTHING_RAN)
+        raise fail(f"{e}; wait for it to finish", EXIT_NOTHING_RAN)
     failed = sum(r.get("status") != "ok" for r in merged)
     typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards, {failed} failed -> {out / 'results.jsonl'}", err=True)
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
-
-
-def _interruptible(job, then: str = "run the same command again to resume"):
-    """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up,
-    saying `then`: what a rerun does."""
-    from transcribe.output_writer import OutputStopped
-    from transcribe.pipeline import Interrupted
-    from transcribe.resume import OutputBusy
-    from transcribe.shm import SharedMemoryTooSmall
-    from transcribe.workers import WorkerStartError
-
-    try:
-        return job()
-    except Interrupted as e:
-        typer.echo(f"interrupted by {e}: finished files are written; {then}", err=True)
-        raise typer.Exit(128 + e.signum)
-    except (WorkerStartError, SharedMemoryTooSmall) as e:
-        raise _fail(str(e), EXIT_NOTHING_RAN)
-    except OutputBusy as e:
-        raise _fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
-    except OutputStopped as e:
-        raise _fail(f"cannot write outputs, stopped: {e}. Files finished before are written; "
-                    "run the same command again to resume once they can be written", EXIT_NOTHING_RAN)
 
 
 @sub_app.command(help="Stream one audio file through a streaming model, printing the transcript as it grows (segments, partials, final).")
@@ -382,15 +193,15 @@ def stream(
     from transcribe.audio import AudioError
     from transcribe.streaming.cli_commands import LOG_LEVELS, log_to_stderr, stream_file
 
-    _check_streaming(chunk_ms, left_ms, right_ms)
+    check_streaming(chunk_ms, left_ms, right_ms)
     log_to_stderr(LOG_LEVELS["info"], "%(message)s")  # the chunking line, before the transcript
     try:
         summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
                               chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
     except OptionError as e:  # chunking options this model does not take
-        raise _fail(str(e), EXIT_USAGE)
+        raise fail(str(e), EXIT_USAGE)
     except (AudioError, ValueError, OSError) as e:
-        raise _fail(str(e), EXIT_NOTHING_RAN)
+        raise fail(str(e), EXIT_NOTHING_RAN)
     typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx {summary['rtfx']:.1f}, "
                f"{summary['steps']} steps (p50 {summary['step_ms_p50']:.1f} ms)", err=True)
 
@@ -424,12 +235,12 @@ def serve(
     from transcribe.streaming.scheduler import STREAM_BACKENDS
 
     if log_level.lower() not in LOG_LEVELS:
-        raise _fail(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}", EXIT_USAGE)
+        raise fail(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}", EXIT_USAGE)
     if encoder_backend not in STREAM_BACKENDS:  # before a big model's minute of loading
-        raise _fail(f"--encoder-backend {encoder_backend!r}: serve takes one of {', '.join(STREAM_BACKENDS)}",
+        raise fail(f"--encoder-backend {encoder_backend!r}: serve takes one of {', '.join(STREAM_BACKENDS)}",
                     EXIT_USAGE)
-    _check_runtime(device, dtype)
-    _check_streaming(chunk_ms, left_ms, right_ms)
+    check_runtime(device, dtype)
+    check_streaming(chunk_ms, left_ms, right_ms)
     try:
         status = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
                             idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s, ws_port=ws_port,
@@ -437,9 +248,9 @@ def serve(
                             right_ms=right_ms, device=pick_device(device), dtype=dtype,
                             log_level=log_level.lower(), encoder_backend=encoder_backend)
     except OptionError as e:  # chunking options this model does not take
-        raise _fail(str(e), EXIT_USAGE)
+        raise fail(str(e), EXIT_USAGE)
     except (ValueError, OSError) as e:
-        raise _fail(str(e), EXIT_NOTHING_RAN)
+        raise fail(str(e), EXIT_NOTHING_RAN)
     raise typer.Exit(status)  # 128 + SIGINT / SIGTERM, as the other commands report it; 1: the engine failed
 
 
@@ -457,16 +268,16 @@ def export_engine_cmd(
 ) -> None:
     from transcribe.export_engine import ExportError, ExportRequest, export_engine
 
-    _file_path(onnx, "--onnx")
-    cache_dir = _out_arg(cache_arg, "--cache-dir")
+    file_path(onnx, "--onnx")
+    cache_dir = folder_option(cache_arg, "--cache-dir")
     try:
         req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, batch_seconds=batch_seconds)
     except ValueError as e:
-        raise _fail(str(e), EXIT_USAGE)
+        raise fail(str(e), EXIT_USAGE)
     try:
         raise typer.Exit(export_engine(req, echo=lambda line: typer.echo(line, err=True)))
     except ExportError as e:
-        raise _fail(str(e), e.code)
+        raise fail(str(e), e.code)
 
 
 @sub_app.command(help="List the registry names `--model` accepts.")

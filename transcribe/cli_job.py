@@ -1,0 +1,118 @@
+"""What every transcribing command does around its run: discover the inputs, spawn the
+workers and load the engine (`prepare`), then run the job so that SIGINT / SIGTERM, a worker
+that cannot start or an output disk that stops taking writes end it with the command's exit
+status and a line saying what a rerun does (`interruptible`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from transcribe.cli_options import (EXIT_NOTHING_RAN, EXIT_USAGE, check_runtime, fail, out_folder, refuse_empty,
+                                    writable_folder)
+
+
+def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
+             workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
+             features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
+             words: bool = True, language: Optional[str] = None, task: str = "transcribe",
+             prompt: Optional[str] = None, out: Optional[Path] = None, report: Optional[Path] = None):
+    """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
+    workers). The workers are spawned before the model loads so their start overlaps it.
+    `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
+    TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
+    `words`: an output shows word times (Whisper aligns words only then). `language`, `task`,
+    `prompt`: --language, --task, --prompt. `out` (--out, `_out_folder`) and `report` (--json: its folder must be
+    writable) are checked once the inputs are known and before the model loads (None: not
+    given)."""
+    from engines.checkpoint import CheckpointError
+    from engines.loader import OptionError, load_engine
+    from engines.whisper_languages import language_code
+    from transcribe.inputs import InputError, discover, parse_shard, shard
+    from transcribe.workers import Prespawned, default_workers
+    from engines.decode_modes import DecodeMode
+    from engines.encoder_backend import BACKENDS
+    from engines.encoder_backend import BackendOptions
+    from transcribe.audio_frontend import FEATURES_ON
+
+    if encoder_backend not in BACKENDS:
+        raise fail(f"--encoder-backend {encoder_backend!r}: expected one of {', '.join(BACKENDS)}", EXIT_USAGE)
+    if decoder_mode not in [m.value for m in DecodeMode]:
+        raise fail(f"--decoder-mode {decoder_mode!r}: expected one of {', '.join(m.value for m in DecodeMode)}",
+                    EXIT_USAGE)
+    if features_on not in FEATURES_ON:
+        raise fail(f"--features-on {features_on!r}: expected one of {', '.join(FEATURES_ON)}", EXIT_USAGE)
+    check_runtime(device, dtype)
+    if task not in ("transcribe", "translate"):
+        raise fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
+    if language is not None:
+        try:
+            language = language_code(language)  # EN, English, english: en
+        except ValueError as e:
+            raise fail(str(e), EXIT_USAGE)
+    if batch_seconds is not None and not math.isfinite(batch_seconds):
+        raise fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
+    options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
+    try:
+        part = parse_shard(shard_spec) if shard_spec else None
+    except ValueError as e:
+        raise fail(str(e), EXIT_USAGE)
+
+    refuse_empty(inputs, "an INPUT", "file or folder")
+    try:
+        found = discover(inputs)
+    except InputError as e:
+        raise fail(str(e), EXIT_NOTHING_RAN)
+    if not found:
+        raise fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
+    files = shard(found, part)
+    if out is not None:
+        out_folder(out)
+    if report is not None:
+        writable_folder(report.parent, "--json")
+    if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
+        typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
+        return files, None, 0.0, None
+    t0 = time.perf_counter()
+    spares = Prespawned(workers or default_workers())
+    engine = None
+    try:
+        engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
+                             word_timestamps=words, language=language, task=task, prompt=prompt)
+    except OptionError as e:  # an option this model does not take (--language for Parakeet)
+        raise fail(str(e), EXIT_USAGE)
+    except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
+        raise fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
+    finally:
+        if engine is None:  # failed or interrupted: the spare workers have nothing to do
+            spares.close()
+    runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
+    typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
+    return files, engine, time.perf_counter() - t0, spares
+
+
+def interruptible(job, then: str = "run the same command again to resume"):
+    """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up,
+    saying `then`: what a rerun does."""
+    from transcribe.output_writer import OutputStopped
+    from transcribe.pipeline import Interrupted
+    from transcribe.resume import OutputBusy
+    from transcribe.shm import SharedMemoryTooSmall
+    from transcribe.workers import WorkerStartError
+
+    try:
+        return job()
+    except Interrupted as e:
+        typer.echo(f"interrupted by {e}: finished files are written; {then}", err=True)
+        raise typer.Exit(128 + e.signum)
+    except (WorkerStartError, SharedMemoryTooSmall) as e:
+        raise fail(str(e), EXIT_NOTHING_RAN)
+    except OutputBusy as e:
+        raise fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
+    except OutputStopped as e:
+        raise fail(f"cannot write outputs, stopped: {e}. Files finished before are written; "
+                    "run the same command again to resume once they can be written", EXIT_NOTHING_RAN)

@@ -1,0 +1,108 @@
+"""The command line's options: their help texts, the exit statuses, and the checks made on
+options as typed, before any model loads (a bad value is a usage error, exit 2; a folder that
+cannot be written is exit 1), so a typo never costs a minute of model loading.
+"""
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+# The exit statuses, a contract other tools rely on (`cli.py`'s docstring says when each is given).
+EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE, EXIT_SOME_FAILED = 0, 1, 2, 3
+
+WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
+BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
+DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (CUDA: full-graph, or unrolled where conditional nodes are unsupported; CPU: eager), full-graph (one CUDA graph with conditional while nodes), unrolled, eager."
+DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: float16 on CUDA, bfloat16 on CPUs with bf16), float32, "
+              "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
+              "decoder staying float32), float16 (CUDA).")
+LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de or german, fr, ... as the model's vocabulary has them), "
+                 "or auto to detect it once per file, from its first piece with speech. Parakeet models take none.")
+PROMPT_HELP = ("Whisper: text the model reads as coming before every piece of every file (OpenAI's initial_prompt): "
+               "names, terms and spellings to use, or a style (punctuation, casing) to follow. Parakeet models take none.")
+TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
+FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
+DEVICE_HELP = "auto, cpu, cuda or cuda:N (auto: cuda when available)."
+BATCH_SECONDS_HELP = "Padded audio seconds per model batch (a batch out of memory runs again in halves)."
+MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    """Print `error: message` on stderr; the caller raises the returned Exit(code)."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def writable_folder(folder: Path, option: str) -> None:
+    """Create `folder` and write a probe file in it: an --out or --json that cannot be written
+    (a file in the way, no permission, a read-only disk) fails here, before the model loads,
+    not after the whole run with a traceback."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
+
+
+def out_folder(folder: Path) -> None:
+    """An --out, checked before the model loads: writable (`_writable_folder`), its
+    results.jsonl a file if there is one, and no other run writing there."""
+    from transcribe.resume import OutputBusy, out_dir_lock
+
+    writable_folder(folder, "--out")
+    log = folder / "results.jsonl"  # every --out holds one, appended to as files finish
+    if log.exists() and not log.is_file():
+        raise fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
+    try:  # another run writing there (an overlapping cron job) is found before a model loads for nothing
+        with out_dir_lock(folder):
+            pass
+    except OutputBusy as e:
+        raise fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
+
+
+def refuse_empty(args: List[Optional[str]], what: str, names: str = "folder") -> None:
+    """An empty argument (`"$DIR"` with DIR unset) would be Path(""), which is ".": a whole
+    working folder (a cron job's $HOME) walked as INPUT or merged as a shard, transcripts,
+    results.jsonl and the lock written into it, over any same-named .txt there. A usage error
+    instead, before anything is read or written."""
+    if "" in args:
+        raise fail(f"{what} is empty (an unset variable?): it names no {names}", EXIT_USAGE)
+
+
+def folder_option(out: Optional[str], option: str = "--out") -> Optional[Path]:
+    """A folder option as typed (--out, export-engine's --cache-dir), refused when empty."""
+    refuse_empty([out], option)
+    return None if out is None else Path(out)
+
+
+def file_path(path: Optional[Path], option: str) -> None:
+    """A --json or --onnx that names a folder (or nothing) is a usage error, found before the
+    run rather than when its report is written at the end."""
+    if path is not None and (path.is_dir() or not path.name):
+        raise fail(f"{option} {str(path) or repr('')}: names a folder, not a file", EXIT_USAGE)
+
+
+def check_runtime(device: str, dtype: str) -> None:
+    """--device and --dtype name something that exists (whether this machine has it is the
+    model loader's to say)."""
+    from engines.precision import DTYPE_CHOICES
+
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)
+    if dtype not in DTYPE_CHOICES:
+        raise fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
+
+
+def check_streaming(chunk_ms: Optional[float], left_ms: Optional[float], right_ms: Optional[float]) -> None:
+    """The chunking options of `stream` and `serve`: finite, chunks longer than nothing."""
+    for option, value, least in (("--chunk-ms", chunk_ms, 1e-9), ("--left-context-ms", left_ms, 0.0),
+                                 ("--right-context-ms", right_ms, 0.0)):
+        if value is not None and not (math.isfinite(value) and value >= least):
+            need = "> 0" if least else ">= 0"
+            raise fail(f"{option} {value}: expected a number of milliseconds {need}", EXIT_USAGE)
