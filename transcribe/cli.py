@@ -19,10 +19,10 @@ from typing import List, Optional
 import typer
 
 from transcribe.cli_job import interruptible, prepare
-from transcribe.cli_options import (BACKEND_HELP, BATCH_SECONDS_HELP, DECODER_MODE_HELP, DEVICE_HELP, DTYPE_HELP,
-                                    EXIT_NOTHING_RAN, EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON_HELP,
-                                    LANGUAGE_HELP, MODEL_HELP, PROMPT_HELP, TASK_HELP, WORKERS_HELP, check_runtime,
-                                    check_streaming, fail, file_path, folder_option, out_folder, refuse_empty)
+from transcribe.cli_options import (BATCH_SECONDS, DECODER_MODE, DEVICE, DTYPE, ENCODER_BACKEND, EXIT_NOTHING_RAN,
+                                    EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON, LANGUAGE, MODEL, PROMPT, TASK,
+                                    WORKERS, check_runtime, check_streaming, fail, file_path, folder_option,
+                                    out_folder, refuse_empty)
 
 SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
 
@@ -54,21 +54,21 @@ sub_app = _Typer(add_completion=False, pretty_exceptions_enable=False, no_args_i
 def transcribe(
     inputs: List[str] = typer.Argument(..., metavar="INPUT", help="Audio files, directories or .jsonl manifests."),
     out_arg: str = typer.Option("transcripts", "--out", "-o", metavar="<path>", help="Output directory."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model: Optional[str] = MODEL,
     fmt: str = typer.Option("txt,json", "--format", "-f", help="Comma list of txt,json,srt,vtt (or all)."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help=BATCH_SECONDS_HELP),
+    device: str = DEVICE,
+    batch_seconds: float = BATCH_SECONDS,
     force: bool = typer.Option(False, "--force", help="Redo files already transcribed in --out."),
     shard_spec: Optional[str] = typer.Option(None, "--shard", help="Only shard I of N (I/N, I from 1 to N), for array jobs."),
     progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Progress bar (default: on a terminal)."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
-    encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
-    decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
-    features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
-    task: str = typer.Option("transcribe", "--task", help=TASK_HELP),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help=PROMPT_HELP),
+    workers: Optional[int] = WORKERS,
+    encoder_backend: str = ENCODER_BACKEND,
+    decoder_mode: str = DECODER_MODE,
+    features_on: str = FEATURES_ON,
+    dtype: str = DTYPE,
+    language: Optional[str] = LANGUAGE,
+    task: str = TASK,
+    prompt: Optional[str] = PROMPT,
 ) -> None:
     from transcribe.pipeline import run
     from transcribe.writers import needs_words, parse_formats
@@ -104,18 +104,18 @@ def transcribe(
 def bench(
     inputs: List[str] = typer.Argument(..., metavar="INPUT",
                                        help="Audio files, directories or .jsonl manifests (with `text` for WER)."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model: Optional[str] = MODEL,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the JSON report here."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    batch_seconds: float = typer.Option(300.0, "--batch-seconds", min=1.0, help=BATCH_SECONDS_HELP),
+    device: str = DEVICE,
+    batch_seconds: float = BATCH_SECONDS,
     out_arg: Optional[str] = typer.Option(None, "--out", metavar="<path>", help="Keep transcripts here (default: a temporary folder)."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-j", min=1, help=WORKERS_HELP),
-    encoder_backend: str = typer.Option("auto", "--encoder-backend", help=BACKEND_HELP),
-    decoder_mode: str = typer.Option("auto", "--decoder-mode", help=DECODER_MODE_HELP),
-    features_on: str = typer.Option("auto", "--features-on", help=FEATURES_ON_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
-    language: Optional[str] = typer.Option(None, "--language", "-l", help=LANGUAGE_HELP),
-    prompt: Optional[str] = typer.Option(None, "--prompt", help=PROMPT_HELP),
+    workers: Optional[int] = WORKERS,
+    encoder_backend: str = ENCODER_BACKEND,
+    decoder_mode: str = DECODER_MODE,
+    features_on: str = FEATURES_ON,
+    dtype: str = DTYPE,
+    language: Optional[str] = LANGUAGE,
+    prompt: Optional[str] = PROMPT,
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
     from transcribe.pipeline import run
@@ -219,8 +219,8 @@ def serve(
     chunk_ms: Optional[float] = typer.Option(None, "--chunk-ms", help="Offline-trained models: audio decoded per step (default 2000)."),
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
-    device: str = typer.Option("auto", "--device", help=DEVICE_HELP),
-    dtype: str = typer.Option("auto", "--dtype", help=DTYPE_HELP),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     encoder_backend: str = typer.Option("auto", "--encoder-backend", help="Offline-trained models' window encoder: "
                                         "auto (cuda-graphs on CUDA, captured at startup per window width and batch size; "
                                         "torch on the CPU), torch or cuda-graphs."),
@@ -257,7 +257,7 @@ def serve(
 @sub_app.command("export-engine", help="Build the TensorRT encoder engine for a model ahead of time (cached where "
                  "`--encoder-backend tensorrt` looks), or with --onnx-only just write the encoder's ONNX.")
 def export_engine_cmd(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    model: Optional[str] = MODEL,
     precision: str = typer.Option("fp16", "--precision", help="fp16, bf16 or fp32 (layer norms and softmax stay fp32)."),
     cache_arg: Optional[str] = typer.Option(None, "--cache-dir", metavar="<path>", help="Engine cache (default: $TRANSCRIBE_TRT_CACHE, else "
                                              "$XDG_CACHE_HOME/transcribe/trt, where runs look; runs find another "

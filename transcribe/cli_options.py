@@ -15,21 +15,32 @@ import typer
 # The exit statuses, a contract other tools rely on (`cli.py`'s docstring says when each is given).
 EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE, EXIT_SOME_FAILED = 0, 1, 2, 3
 
-WORKERS_HELP = "Preprocessing worker processes (decode, resample, VAD, features). Default: 1 on 2 cores, else half the cores (max 8)."
-BACKEND_HELP = "Parakeet encoder: auto (cuda-graphs on CUDA, torch on CPU), torch, compile, cuda-graphs, tensorrt."
-DECODER_MODE_HELP = "Decoder loop (Parakeet and Whisper): auto (CUDA: full-graph, or unrolled where conditional nodes are unsupported; CPU: eager), full-graph (one CUDA graph with conditional while nodes), unrolled, eager."
-DTYPE_HELP = ("Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: float16 on CUDA, bfloat16 on CPUs with bf16), float32, "
-              "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU "
-              "decoder staying float32), float16 (CUDA).")
-LANGUAGE_HELP = ("Whisper: the spoken language, a code or a name (default en; de or german, fr, ... as the model's vocabulary has them), "
-                 "or auto to detect it once per file, from its first piece with speech. Parakeet models take none.")
-PROMPT_HELP = ("Whisper: text the model reads as coming before every piece of every file (OpenAI's initial_prompt): "
-               "names, terms and spellings to use, or a style (punctuation, casing) to follow. Parakeet models take none.")
-TASK_HELP = "Whisper: transcribe (default), or translate the speech into English (multilingual models)."
-FEATURES_ON_HELP = "Parakeet log-mel features: auto (= workers for now), workers (preprocessing processes), device (the model's GPU or CPU)."
-DEVICE_HELP = "auto, cpu, cuda or cuda:N (auto: cuda when available)."
-BATCH_SECONDS_HELP = "Padded audio seconds per model batch (a batch out of memory runs again in halves)."
-MODEL_HELP = "Registry name (see `transcribe models`) or path to a .nemo file. Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base."
+# Options that several commands take, defined once (typer reads these as the parameters' defaults).
+WORKERS = typer.Option(None, "--workers", "-j", min=1, help="Preprocessing worker processes (decode, resample, VAD, "
+                       "features). Default: 1 on 2 cores, else half the cores (max 8).")
+ENCODER_BACKEND = typer.Option("auto", "--encoder-backend", help="Parakeet encoder: auto (cuda-graphs on CUDA, torch on "
+                               "CPU), torch, compile, cuda-graphs, tensorrt.")
+DECODER_MODE = typer.Option("auto", "--decoder-mode", help="Decoder loop (Parakeet and Whisper): auto (CUDA: full-graph, "
+                            "or unrolled where conditional nodes are unsupported; CPU: eager), full-graph (one CUDA "
+                            "graph with conditional while nodes), unrolled, eager.")
+DTYPE = typer.Option("auto", "--dtype", help="Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: "
+                     "float16 on CUDA, bfloat16 on CPUs with bf16), float32, bfloat16 (CPUs with AVX512_BF16/AMX, CUDA "
+                     "sm80+; ~1.9x faster encoders on such CPUs, Whisper's CPU decoder staying float32), float16 (CUDA).")
+LANGUAGE = typer.Option(None, "--language", "-l", help="Whisper: the spoken language, a code or a name (default en; de "
+                        "or german, fr, ... as the model's vocabulary has them), or auto to detect it once per file, "
+                        "from its first piece with speech. Parakeet models take none.")
+PROMPT = typer.Option(None, "--prompt", help="Whisper: text the model reads as coming before every piece of every file "
+                      "(OpenAI's initial_prompt): names, terms and spellings to use, or a style (punctuation, casing) "
+                      "to follow. Parakeet models take none.")
+TASK = typer.Option("transcribe", "--task", help="Whisper: transcribe (default), or translate the speech into English "
+                    "(multilingual models).")
+FEATURES_ON = typer.Option("auto", "--features-on", help="Parakeet log-mel features: auto (= workers for now), workers "
+                           "(preprocessing processes), device (the model's GPU or CPU).")
+DEVICE = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (auto: cuda when available).")
+BATCH_SECONDS = typer.Option(300.0, "--batch-seconds", min=1.0, help="Padded audio seconds per model batch (a batch out "
+                             "of memory runs again in halves).")
+MODEL = typer.Option(None, "--model", "-m", help="Registry name (see `transcribe models`) or path to a .nemo file. "
+                     "Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base.")
 
 
 def fail(message: str, code: int) -> typer.Exit:
