@@ -59,7 +59,28 @@ class Tokenizer:
 
     def pieces(self, ids: Iterable[int]) -> list[str]:
         """Token ids -> SentencePiece pieces ('▁the', 'ing', '<unk>'), NeMo's `ids_to_tokens`."""
-        return [self._sp.id_to_piece(int(i)) for i in ids]
+        vocab = self.vocab
+        return [vocab[self._index(i)] for i in ids]
+
+    def token_texts(self, ids: Iterable[int]) -> list[str]:
+        """Token ids -> each one's text alone, `decode_pieces([piece])` ('▁the' -> 'the'): how word
+        timestamps spell a token. From a table built once: a streaming server spells a stream's
+        open tail after every step, and sentencepiece's per-call overhead had made that most of
+        the transcript's update cost."""
+        texts = self._token_texts
+        return [texts[self._index(i)] for i in ids]
+
+    @cached_property
+    def _token_texts(self) -> list[str]:
+        return [self._sp.decode_pieces([piece]) for piece in self.vocab]
+
+    def _index(self, token_id: int) -> int:
+        """`token_id` as a list index; out of range raises, as sentencepiece's id_to_piece does
+        (a negative id must not wrap around to the end of the vocabulary)."""
+        i = int(token_id)
+        if not 0 <= i < self.vocab_size:
+            raise IndexError(f"token id {i} is outside the vocabulary (0 .. {self.vocab_size - 1})")
+        return i
 
     def decode_pieces(self, pieces: Sequence[str]) -> str:
         """Pieces -> text, NeMo's `tokens_to_text` (used to spell words in word timestamps)."""

@@ -35,6 +35,25 @@ def test_pieces_word_starts_and_specials():
 
 
 @needs_shared
+@pytest.mark.parametrize("variant", ["tdt_tiny", "rnnt_tiny", "tdt_ctc_tiny", "rnnt_streaming_tiny"])
+def test_tables_spell_every_id_as_sentencepiece_does(variant):
+    """`pieces` and `token_texts` read tables built once; every id must come out as
+    sentencepiece's own id_to_piece and decode_pieces give it, and an id outside the
+    vocabulary must raise as id_to_piece does, not wrap around."""
+    tok = tokenizer_for(variant)
+    sp = tok._sp
+    ids = list(range(tok.vocab_size))
+    assert tok.pieces(ids) == [sp.id_to_piece(i) for i in ids]
+    assert tok.token_texts(ids) == [sp.decode_pieces([sp.id_to_piece(i)]) for i in ids]
+    if variant == "tdt_tiny":
+        assert tok.token_texts([3, 3, 0]) == ["t", "t", " \u2047 "]  # '▁t' twice, <unk>
+    for bad in (-1, tok.vocab_size):
+        for read in (tok.pieces, tok.token_texts):
+            with pytest.raises(IndexError):
+                read([bad])
+
+
+@needs_shared
 def test_supported_punctuation_like_nemo():
     # "'" comes from the bare "'" piece; "▁'" is a word-start piece and does not count
     tok = tokenizer_for("tdt_tiny")

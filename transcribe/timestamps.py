@@ -60,17 +60,17 @@ def token_spans(tokenizer: Tokenizer, tokens: Sequence[int], frames: Sequence[in
     if len(frames) != len(tokens) or (kind != "rnnt" and len(durations) != len(tokens)):
         raise ValueError(f"need one frame{'' if kind == 'rnnt' else ' and duration'} per token: "
                          f"{len(tokens)} tokens, {len(frames)} frames, {len(durations)} durations")
-    pieces = tokenizer.pieces(tokens)
+    pieces, texts = tokenizer.pieces(tokens), tokenizer.token_texts(tokens)
     spans = []
-    for i, (piece, frame) in enumerate(zip(pieces, frames)):
+    for i, (text, piece, frame) in enumerate(zip(texts, pieces, frames)):
         if kind == "ctc":
             # NeMo's CTC offsets: token k spans [frame of token k-1, its own first frame], the
             # first token starting one frame early; so words tile the time axis without gaps.
             start = frames[i - 1] if i > 0 else max(0, frames[0] - 1)
-            spans.append(_Span(tokenizer.decode_pieces([piece]), piece, int(start), int(frame)))
+            spans.append(_Span(text, piece, int(start), int(frame)))
             continue
         end = frame + 1 if kind == "rnnt" else frame + durations[i]
-        spans.append(_Span(tokenizer.decode_pieces([piece]), piece, int(frame), int(end)))
+        spans.append(_Span(text, piece, int(frame), int(end)))
     punctuation = tokenizer.supported_punctuation
     if kind in ("tdt", "ctc") and punctuation:  # NeMo refines TDT and CTC offsets, not RNN-T's
         for i in range(1, len(spans)):
