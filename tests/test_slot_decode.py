@@ -13,7 +13,7 @@ from engines.chunked_pool import ChunkWindow
 from engines.decode_modes import DecodeMode
 from engines.slot_decode import ResumingState, SlotGraphDecoder
 from transcribe.streaming.scheduler import StreamingModel
-from streaming_fixtures import files  # noqa: F401  (a fixture)
+from streaming_fixtures import files, stream_alone  # noqa: F401  (files: a fixture)
 
 import test_chunked_streaming as chunked
 import test_streaming as cache_aware
@@ -98,3 +98,33 @@ def test_eager_is_the_mode_on_the_cpu_and_a_failed_capture_falls_back(monkeypatc
     graphs.prepare(2, 8, torch.float32, "cpu")
     assert graphs.mode is DecodeMode.EAGER and graphs.static is None
     assert "full-graph capture failed (capture refused)" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["rnnt_streaming_tiny", "tdt_tiny"])
+def test_streaming_decode_runs_with_the_decoders_cpu_threads(name, monkeypatch):
+    """A step's token loop runs with the decoder's measured CPU thread count (1 until measured),
+    as offline decoding does, not with all of torch's threads: in `serve` the event loop shares
+    the cores, and a tiny decoder's many small ops each ending in an OpenMP barrier made the
+    100-stream CPU load's decoder stage 1.4x slower and its final p95 about twice as long. The
+    encoder keeps every thread."""
+    import engines.slot_decode as slot_decode
+
+    m = (StreamingModel.from_nemo(NEMO_REF / name / "model.nemo") if name == "rnnt_streaming_tiny"
+         else chunked._model(name, 1000, 2000, 500))
+    seen, run = [], slot_decode.run_label_looping
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(slot_decode, "run_label_looping", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m.engine.decoder.cpu_threads = 1  # what it is until measured (DECODER_THREADS)
+        audio = np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1
+        stream_alone(m, audio, 1600)
+        assert torch.get_num_threads() == 2  # restored after each decode
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
