@@ -105,7 +105,7 @@ def test_streaming_decode_runs_with_the_decoders_cpu_threads(name, monkeypatch):
     """A step's token loop runs with the decoder's measured CPU thread count (1 until measured),
     as offline decoding does, not with all of torch's threads: in `serve` the event loop shares
     the cores, and a tiny decoder's many small ops each ending in an OpenMP barrier made the
-    100-stream CPU load's decoder stage 1.4x slower and its final p95 about twice as long. The
+    100-stream CPU load's decoder stage 1.3x slower and its median final p95 1.8x longer. The
     encoder keeps every thread."""
     import engines.slot_decode as slot_decode
 
