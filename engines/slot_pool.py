@@ -109,7 +109,7 @@ class DecoderSlots:
         enc_proj = self.decoder.joint.enc(enc)
         # The token loop with the decoder's CPU threads (1 until measured), as offline: in `serve`
         # the event loop shares the cores, and with all threads the 100-stream CPU load's
-        # decoder stage took 4.2-4.9 s instead of 2.8-3.9 (each small op ends in a barrier).
+        # decoder stage took 4.8-5.2 s instead of 3.9-4.1 (each small op ends in a barrier).
         with decoder_threads(self.device, self.decoder.cpu_threads):
             hyps, (h, c, pred_out, time) = self.graphs.resume(
                 enc_proj, enc_len, self.h.index_select(1, idx), self.c.index_select(1, idx),

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from engines.cpu_threads import decoder_threads, fastest_threads
 from engines.decode_stages import Hypothesis
 from engines.encoder_backend import FUSED_CHECK_RTOL, relative_error
 from engines.slot_pool import DecoderSlots, PoolExhausted, SlotPool
@@ -39,6 +40,7 @@ __all__ = ["ChunkInput", "PoolExhausted", "StreamPool", "pad_features"]
 
 log = logging.getLogger("transcribe")
 ATTENTION_KERNELS = ("auto", "triton", "torch")
+STEP_THREADS_BATCH = 2  # chunks in the step that measures encoder_step_threads: a real-time server's usual step
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class StreamPool(SlotPool):
         init = encoder.initial_caches(max_streams, self.device)  # in the encoder's compute dtype
         self.att, self.conv, self.att_len = init.att, init.conv, init.att_len
         self.attention_kernel = self._pick_kernel(attention_kernel)
+        self.encoder_threads = encoder_step_threads(encoder, self.device)
 
     def _pick_kernel(self, request: str) -> str:
         if request not in ATTENTION_KERNELS:
@@ -123,7 +126,8 @@ class StreamPool(SlotPool):
                 self.att_len.index_copy_(0, idx, new_len)
                 return self._decode(idx, enc, enc_len, self.stage_seconds.lap("encoder", t))
         caches = EncoderCaches(self.att.index_select(1, idx), self.conv.index_select(1, idx), att_len)
-        enc, enc_len, nxt = self.encoder.step(feats, lengths, drop, caches)
+        with decoder_threads(self.device, self.encoder_threads):
+            enc, enc_len, nxt = self.encoder.step(feats, lengths, drop, caches)
         self.att.index_copy_(1, idx, nxt.att)  # same as: att[:, idx] = nxt.att
         self.conv.index_copy_(1, idx, nxt.conv)
         self.att_len.index_copy_(0, idx, nxt.att_len)
@@ -136,6 +140,34 @@ class StreamPool(SlotPool):
 
 
 @torch.inference_mode()
+def encoder_step_threads(encoder: CacheAwareEncoder, device: torch.device | str,
+                         batch: int = STEP_THREADS_BATCH) -> int | None:
+    """The CPU intra-op thread count for encoder steps (None on CUDA: unchanged), measured once
+    at startup as the decoder's is (`engines.cpu_threads.fastest_threads`): all threads only if
+    they run a seeded step of `batch` later chunks at least 15 % faster than one. A real-time
+    server's step holds a chunk or two: on the 2-core VM the tiny cache-aware model ran such a
+    step as fast with one thread (4.7 ms either way at 1 chunk, 1.05x at 2), and with two its
+    100-stream load lost to one thread in 4 of 4 paired runs on a busy machine (final p95
+    330-702 ms against 222-362), the event loop sharing the cores. A big model's step, whose
+    GEMMs do gain from threads, keeps them."""
+    if torch.device(device).type != "cpu":
+        return None
+    cfg = encoder.cfg
+    gen = torch.Generator().manual_seed(0)
+    width = cfg.pre_encode_cache[1] + cfg.chunk_frames[1]
+    features = torch.randn(batch, encoder.encoder.cfg.feat_in, width, generator=gen)
+    lengths = torch.full((batch,), width, dtype=torch.int64)
+    drop = torch.full((batch,), cfg.drop_extra, dtype=torch.int64)
+
+    @torch.inference_mode()
+    def step() -> None:
+        caches = encoder.initial_caches(batch, device)  # scratch: the pool's own are not touched
+        caches.att_len.fill_(cfg.att_cache)
+        encoder.step(features, lengths, drop, caches)
+
+    return fastest_threads(step)
+
+
 def kernel_disagrees(encoder: CacheAwareEncoder, device: torch.device | str) -> str | None:
     """One seeded step through the fused kernel (`step_in_pool`) and through the gather path
     (`step`) on scratch caches of 3 rows -> why they differ (encodings, next attention and conv

@@ -105,7 +105,7 @@ def test_streaming_decode_runs_with_the_decoders_cpu_threads(name, monkeypatch):
     """A step's token loop runs with the decoder's measured CPU thread count (1 until measured),
     as offline decoding does, not with all of torch's threads: in `serve` the event loop shares
     the cores, and a tiny decoder's many small ops each ending in an OpenMP barrier made the
-    100-stream CPU load's decoder stage 1.3x slower and its median final p95 1.8x longer. The
+    100-stream CPU load's decoder stage 1.25x slower and its final p50 1.4x longer. The
     encoder keeps every thread."""
     import engines.slot_decode as slot_decode
 
@@ -125,6 +125,36 @@ def test_streaming_decode_runs_with_the_decoders_cpu_threads(name, monkeypatch):
         audio = np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1
         stream_alone(m, audio, 1600)
         assert torch.get_num_threads() == 2  # restored after each decode
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+
+
+def test_cache_aware_encoder_steps_run_with_the_measured_threads(monkeypatch):
+    """The cache-aware pool measures its encoder step's CPU threads once, on scratch caches
+    (the pool's own stay zero), and every step's encoder runs with that count, restored after."""
+    from engines.streaming_encoder import CacheAwareEncoder
+    from engines.stream_pool import encoder_step_threads
+
+    m = StreamingModel.from_nemo(NEMO_REF / "rnnt_streaming_tiny" / "model.nemo")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        pool = m.new_pool(2)
+        assert pool.encoder_threads in (1, 2) and encoder_step_threads(m.encoder, "cpu", batch=1) in (1, 2)
+        assert not pool.att.any() and not pool.conv.any() and not pool.att_len.any()
+        seen, step = [], CacheAwareEncoder.step
+
+        def recording(self, *args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return step(self, *args, **kwargs)
+
+        monkeypatch.setattr(CacheAwareEncoder, "step", recording)
+        monkeypatch.setattr(m, "new_pool", lambda max_streams: pool)
+        pool.encoder_threads = 1
+        audio = np.random.default_rng(1).standard_normal(32000).astype(np.float32) * 0.1
+        stream_alone(m, audio, 1600)
+        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
