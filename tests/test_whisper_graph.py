@@ -274,11 +274,17 @@ def test_static_path_follows_eager_in_bf16(base):
     """The static buffers follow the decoder's dtype: a bf16 decoder (what CUDA runs with
     --dtype bfloat16; the CPU engine keeps its decoder fp32) decodes like eager through them.
     Not bit-equal: attending over all 448 positions through the mask sums in another order,
-    and bf16 keeps 8 bits. Measured on these windows: the same texts, one segment's closing and
-    opening timestamps 2 frames (0.04 s) apart, average log-probabilities within 0.021."""
+    and bf16 keeps 8 bits, so where eager's top two logits were (nearly) tied the static path
+    may pick the other one and go on from there. So each window's tokens equal eager's up to
+    its first step whose eager margin is below bf16's eps (`whisper_random.assert_follows`).
+    Measured on these windows (a CPU with AVX512_BF16): 5 of 6 windows identical; the other,
+    at a margin of exactly 0 (a bf16 tie), reads "then that Dao" for eager's "then, the Tao"."""
     from engines.fast_linear import onednn_linear_available
     from engines.whisper import build_whisper
     from engines.whisper_weights import load_ct2
+    from test_whisper_graph_random import EPS
+    from whisper_random import assert_follows as assert_follows_margins
+    from whisper_random import decode_recorded
 
     if not onednn_linear_available(torch.bfloat16):
         pytest.skip("no bf16 in this CPU's hardware (AVX512_BF16 / AMX / Arm BF16)")
@@ -286,13 +292,20 @@ def test_static_path_follows_eager_in_bf16(base):
     model = build_whisper(dims, state, "cpu", torch.bfloat16, torch.bfloat16)
     with torch.inference_mode():
         audio = model.encoder(_mel(tuple(FILES)))
-    decoders = [GreedyDecoder(model, base.decoder.tok, DecodeOptions(), base.decoder.suppress) for _ in range(2)]
-    want = decode(decoders[0], audio, DecodeMode.EAGER)
-    got = decode(decoders[1], audio, DecodeMode.UNROLLED)
-    assert decoders[1].graphs.static.self_k.dtype == decoders[1].graphs.static.cross_k.dtype == torch.bfloat16
-    assert_follows(got, want, base.decoder.tok.timestamp_begin, ts_slack=2, lp_tol=0.03)  # timestamps within 0.04 s
-    assert [g.no_speech_prob for g in got] == [w.no_speech_prob for w in want]
-    assert want[0].text.lower().startswith("there's iron they say") and want[-1].no_speech_prob > 0.6
+    eager, static = (GreedyDecoder(model, base.decoder.tok, DecodeOptions(), base.decoder.suppress) for _ in range(2))
+    static.graphs = WhisperGraphs(static, DecodeMode.UNROLLED, capture=False)
+    with torch.inference_mode():
+        want = decode_recorded(eager, audio, margins=True)
+        got = decode_recorded(static, audio)
+    assert static.graphs.static.self_k.dtype == static.graphs.static.cross_k.dtype == torch.bfloat16
+    compared, total = assert_follows_margins(got, want, EPS[torch.bfloat16])
+    assert compared >= 0.3 * total, f"compared {compared} of {total} steps"  # measured 123 of 199
+    same = [g == w for g, w in zip(got.streams, want.streams)]
+    for g, w, eq in zip(got.results, want.results, same):
+        if eq:
+            assert g.text == w.text and g.avg_logprob == pytest.approx(w.avg_logprob, abs=0.03)
+    assert [g.no_speech_prob for g in got.results] == [w.no_speech_prob for w in want.results]
+    assert want.results[0].text.lower().startswith("there's iron they say") and want.results[-1].no_speech_prob > 0.6
 
 
 def test_static_buffers_regrow_and_serve_smaller_batches(base):

@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 
 from engines import whisper_decoding
+from engines.decode_modes import DecodeMode
 from engines.whisper import Whisper, WhisperDims, build_whisper
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
 from engines.whisper_progress import Progress
@@ -128,15 +129,18 @@ class Decoded:
         return ["loop" if cut else "eot" if s and s[-1] == eot else "max" for s, cut in zip(self.streams, self.looped)]
 
 
-def decode_recorded(dec: GreedyDecoder, audio: torch.Tensor, margins: bool = False) -> Decoded:
+def decode_recorded(dec: GreedyDecoder, audio: torch.Tensor, margins: bool = False,
+                    falls_back: bool = False) -> Decoded:
     """dec.decode_audio(audio), recording the streams; margins=True (eager mode only) also
-    records each window's margins."""
-    seen: dict[str, object] = {}
+    records each window's margins. The decoder must keep its mode unless `falls_back`: a
+    static path that fell back to eager would be compared with eager as eager."""
+    mode = dec.graphs.mode
+    seen: list[Progress] = []
     per_window: list[list[float]] | None = None
     results = dec.results
 
     def keep_progress(progress: Progress, no_speech: torch.Tensor) -> list[WindowResult]:
-        seen["progress"] = progress
+        seen.append(progress)
         return results(progress, no_speech)
 
     dec.results = keep_progress
@@ -149,7 +153,12 @@ def decode_recorded(dec: GreedyDecoder, audio: torch.Tensor, margins: bool = Fal
             out = dec.decode_audio(audio)
     finally:
         del dec.results
-    progress: Progress = seen["progress"]  # type: ignore[assignment]
+    if not falls_back:
+        assert dec.graphs.mode is mode, f"the decoder fell back from {mode.value} to {dec.graphs.mode.value}"
+    # A new static build's first batch is decoded twice: by its own steps, then by eager as
+    # the check (`decode_audio`). Its own pass is what it returns, unless it fell back to
+    # eager: the last pass is eager's then.
+    progress = seen[0] if dec.graphs.mode is not DecodeMode.EAGER else seen[-1]
     eot, n_steps = dec.tok.eot, dec.n_steps
     streams = [toks + [eot] if not cut and len(toks) < n_steps else list(toks)
                for toks, cut in zip(progress.out, progress.looped)]
