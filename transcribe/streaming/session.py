@@ -24,11 +24,16 @@ from transcribe.streaming.transcript import StreamTranscript
 
 
 class IncrementalLogMel:
-    """Push float32 samples, get new feature frames [n_mels, k]; `finish` flushes the rest.
+    """Push float32 samples; `take` returns the feature frames [n_mels, k] whose windows are
+    complete and not yet taken; `finish` flushes the rest.
 
-    The concatenation of everything returned equals `LogMel` over the whole stream:
+    The concatenation of everything taken equals `LogMel` over the whole stream:
     samples // hop valid frames, then `pad_value` frames up to LogMel's frame count. Only the
-    last n_fft samples are kept, so memory does not grow with the stream."""
+    samples from the first frame not yet taken on are kept, so memory does not grow with the
+    stream. `push` only preemphasises and keeps the piece: the STFT runs when a chunk needs
+    frames (`take`), over many pieces at once. Per 100 ms piece it had been most of the serving
+    event loop's time (60 % of its samples at 100 real-time streams), taken from the GIL that
+    the step thread's decoder loop needs."""
 
     def __init__(self, logmel: LogMel):
         cfg = logmel.cfg
@@ -38,27 +43,37 @@ class IncrementalLogMel:
         self.logmel = logmel
         self.hop, self.n_fft = cfg.hop_length, cfg.n_fft_resolved
         self.half = self.n_fft // 2  # center=True: frame t covers samples t*hop - half ... t*hop + half - 1
-        self._y = torch.zeros(0)  # preemphasised samples from absolute index _base on
+        self._y = torch.zeros(0)  # preemphasised samples from absolute index _base on ...
+        self._pieces: list[np.ndarray] = []  # ... then these, joined by the next `take`
         self._base = 0
         self._prev: float | None = None  # last raw sample (preemphasis crosses piece boundaries)
         self.samples = 0
-        self.frames = 0  # frames emitted so far
+        self.frames = 0  # frames taken so far
 
-    def push(self, audio: np.ndarray) -> Tensor:
-        """audio float32 [n] -> the frames whose windows are now complete: [n_mels, k]."""
-        x = torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32))
-        if x.numel():
-            y = x.clone()
-            pre = self.logmel.cfg.preemph
-            if pre is not None:
-                y[1:] -= pre * x[:-1]
-                if self._prev is not None:
-                    y[0] -= pre * self._prev
-            self._prev = float(x[-1])
-            self._y = torch.cat((self._y, y))
-            self.samples += x.numel()
+    def push(self, audio: np.ndarray) -> None:
+        """float32 samples [n], kept preemphasised for the next `take`."""
+        x = np.asarray(audio, dtype=np.float32).reshape(-1)
+        if not x.size:
+            return
+        pre = self.logmel.cfg.preemph
+        y = x.copy()
+        if pre is not None:
+            y[1:] -= np.float32(pre) * x[:-1]
+            if self._prev is not None:
+                y[0] -= np.float32(pre * self._prev)
+        self._prev = float(x[-1])
+        self._pieces.append(y)
+        self.samples += x.size
+
+    @property
+    def ready(self) -> int:
+        """Frames (taken or not) whose 25 ms windows are complete."""
         end = (self.samples - self.half) // self.hop + 1 if self.samples >= self.half else 0
-        return self._frames(min(end, self.samples // self.hop), final=False)
+        return min(end, self.samples // self.hop)
+
+    def take(self) -> Tensor:
+        """The frames completed since the last take: [n_mels, ready - frames taken before]."""
+        return self._frames(self.ready, final=False)
 
     def finish(self) -> Tensor:
         """The remaining valid frames (window zero-padded past the end) and LogMel's pad frames."""
@@ -76,6 +91,9 @@ class IncrementalLogMel:
         n_mels = self.logmel.cfg.features
         if end <= start:
             return torch.zeros(n_mels, 0)
+        if self._pieces:
+            self._y = torch.cat((self._y, torch.from_numpy(np.concatenate(self._pieces))))
+            self._pieces = []
         lo, hi = start * self.hop - self.half, (end - 1) * self.hop + self.half
         seg = self._y[max(lo - self._base, 0): hi - self._base]
         left = max(self._base - lo, 0)  # stream start: center padding
@@ -150,19 +168,21 @@ class StreamSession(SessionBase):
         self._next = 0  # first feature frame of the next chunk
 
     def push_audio(self, audio: np.ndarray) -> None:
-        """float32 mono samples at the model's rate."""
+        """float32 mono samples at the model's rate (their frames are computed by the chunk
+        that needs them: `next_chunk`)."""
         self._arrived(audio)
-        self._append(self.features.push(audio))
+        self.features.push(audio)
 
     def end(self) -> None:
         if not self.ended:
             self.ended = True
+            rest = self.features.finish()
             if round(self.audio_seconds * self.sample_rate) < DEFAULT_MIN_SAMPLES:
                 # Less than one 25 ms analysis window: the final is empty, as offline refuses
                 # such a file; the padded features would decode into made-up tokens.
                 self._feats, self._pending, self._pending_n = self._feats[:, :0], [], 0
                 return
-            self._append(self.features.finish())
+            self._append(rest)
 
     def _append(self, frames: Tensor) -> None:
         if frames.shape[1]:
@@ -171,7 +191,9 @@ class StreamSession(SessionBase):
 
     @property
     def _available(self) -> int:
-        return self._feat_base + self._feats.shape[1] + self._pending_n
+        """Feature frames this stream can cut chunks from: held, or ready to be computed."""
+        f = self.features
+        return self._feat_base + self._feats.shape[1] + self._pending_n + max(f.ready - f.frames, 0)
 
     def next_chunk(self) -> ChunkInput | None:
         """The next complete chunk (any remainder once ended), or None; advances the cursor."""
@@ -180,6 +202,8 @@ class StreamSession(SessionBase):
         span = next_chunk(self._next, self._available, self.ended, self.cfg)
         if span is None:
             return None
+        if not self.ended:
+            self._append(self.features.take())
         if self._pending:
             self._feats = torch.cat([self._feats, *self._pending], dim=1)
             self._pending, self._pending_n = [], 0
