@@ -139,7 +139,6 @@ class StreamPool(SlotPool):
         return hyps
 
 
-@torch.inference_mode()
 def encoder_step_threads(encoder: CacheAwareEncoder, device: torch.device | str,
                          batch: int = STEP_THREADS_BATCH) -> int | None:
     """The CPU intra-op thread count for encoder steps (None on CUDA: unchanged), measured once
@@ -168,6 +167,7 @@ def encoder_step_threads(encoder: CacheAwareEncoder, device: torch.device | str,
     return fastest_threads(step)
 
 
+@torch.inference_mode()
 def kernel_disagrees(encoder: CacheAwareEncoder, device: torch.device | str) -> str | None:
     """One seeded step through the fused kernel (`step_in_pool`) and through the gather path
     (`step`) on scratch caches of 3 rows -> why they differ (encodings, next attention and conv
