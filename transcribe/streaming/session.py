@@ -161,9 +161,9 @@ class StreamSession(SessionBase):
         super().__init__(stream_id, features.logmel.cfg.sample_rate, transcript)
         self.features = features
         self.cfg = cfg
-        self._feats = torch.zeros(features.logmel.cfg.features, 0)  # frames from _feat_base on ...
-        self._pending: list[Tensor] = []  # ... then these, joined when a chunk is cut (joining
-        self._pending_n = 0  # at every push made a long upload quadratic)
+        # Frames computed and not yet cut, from _feat_base on: the next chunk's pre-encode
+        # cache, then what the last `take` (one per chunk cut) or `finish` added.
+        self._feats = torch.zeros(features.logmel.cfg.features, 0)
         self._feat_base = 0
         self._next = 0  # first feature frame of the next chunk
 
@@ -180,20 +180,19 @@ class StreamSession(SessionBase):
             if round(self.audio_seconds * self.sample_rate) < DEFAULT_MIN_SAMPLES:
                 # Less than one 25 ms analysis window: the final is empty, as offline refuses
                 # such a file; the padded features would decode into made-up tokens.
-                self._feats, self._pending, self._pending_n = self._feats[:, :0], [], 0
+                self._feats = self._feats[:, :0]
                 return
             self._append(rest)
 
     def _append(self, frames: Tensor) -> None:
         if frames.shape[1]:
-            self._pending.append(frames)
-            self._pending_n += frames.shape[1]
+            self._feats = torch.cat((self._feats, frames), dim=1)
 
     @property
     def _available(self) -> int:
         """Feature frames this stream can cut chunks from: held, or ready to be computed."""
         f = self.features
-        return self._feat_base + self._feats.shape[1] + self._pending_n + max(f.ready - f.frames, 0)
+        return self._feat_base + self._feats.shape[1] + max(f.ready - f.frames, 0)
 
     def next_chunk(self) -> ChunkInput | None:
         """The next complete chunk (any remainder once ended), or None; advances the cursor."""
@@ -204,9 +203,6 @@ class StreamSession(SessionBase):
             return None
         if not self.ended:
             self._append(self.features.take())
-        if self._pending:
-            self._feats = torch.cat([self._feats, *self._pending], dim=1)
-            self._pending, self._pending_n = [], 0
         local = type(span)(span.start - self._feat_base, span.end - self._feat_base,
                            span.cache_start - self._feat_base, span.first)
         feats = chunk_features(self._feats, local, self.cfg)
