@@ -284,9 +284,8 @@ def test_static_path_follows_eager_in_bf16(base):
     from engines.fast_linear import onednn_linear_available
     from engines.whisper import build_whisper
     from engines.whisper_weights import load_ct2
-    from test_whisper_graph_random import EPS
+    from whisper_random import EPS, decode_recorded
     from whisper_random import assert_follows as assert_follows_margins
-    from whisper_random import decode_recorded
 
     if not onednn_linear_available(torch.bfloat16):
         pytest.skip("no bf16 in this CPU's hardware (AVX512_BF16 / AMX / Arm BF16)")

@@ -15,7 +15,7 @@ from engines import cuda_conditional, decode_modes
 from engines.decode_modes import DecodeMode
 from engines.whisper_decoding import DecodeOptions
 from engines.whisper_graph import DirectRunner, FullGraphRunner, UnrolledRunner, WhisperGraphs
-from whisper_random import (Decoded, assert_follows, assert_same_results, decode_recorded, random_audio,
+from whisper_random import (EPS, Decoded, assert_follows, assert_same_results, decode_recorded, random_audio,
                             random_decoder, random_vocab, random_whisper)
 
 # Seed 4's 8 windows end by <|endoftext|> after 2 to 171 steps, by the loop check and at
@@ -39,16 +39,6 @@ CONFIGS = {
     "prompt": DecodeOptions(max_length=120, temperatures=GREEDY, initial_prompt="names: kubernetes, grpc, nguyen."),
 }
 GPU_CONFIGS = {"default": DecodeOptions(temperatures=GREEDY), **CONFIGS}  # all 445 steps, on the GPU only (slow on a CPU)
-# Where eager's top-2 margin (after the rules) is below EPS, the graph path may pick the other
-# token, and from there that window goes its own way: it computes each step with other kernels
-# (attention over all 448 positions through a mask, other batch sizes), so its logits differ in
-# the last bits, and random weights make many near ties (a trained model's top token usually
-# leads by far). Measured on the CPU (eager vs the static step, 12 seeds x 8 windows, logits up
-# to ~20 where a bf16 ulp is 0.125 and an fp16 one 0.016): the margin between the same two
-# tokens differed by at most 0.19 in bf16, 0.023 in fp16 (an unpacked fp16 model) and 1.6e-5
-# in fp32. EPS is 2x that in bf16, 4x in fp16; fp32 must match exactly (the smallest eager
-# margin in these windows is 1.7e-3, 100x its differences).
-EPS = {torch.float32: 0.0, torch.float16: 0.1, torch.bfloat16: 0.375}
 # So that the comparison cannot go vacuous: the share of eager's steps compared (those before
 # each window's first near tie) is at least this. Measured on the CPU, the GPU test's decodes
 # without capture: 36 % in fp16, 9 % in bf16 (13 % over CONFIGS).
