@@ -21,8 +21,8 @@ import typer
 from transcribe.cli_job import interruptible, prepare
 from transcribe.cli_options import (BATCH_SECONDS, DECODER_MODE, DEVICE, DTYPE, ENCODER_BACKEND, EXIT_NOTHING_RAN,
                                     EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON, LANGUAGE, MODEL, PROMPT, TASK,
-                                    WORKERS, check_runtime, check_streaming, fail, file_path, folder_option,
-                                    out_folder, refuse_empty)
+                                    WORKERS, check_choice, check_runtime, check_streaming, fail, file_path,
+                                    folder_option, out_folder, refuse_empty)
 
 SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
 
@@ -236,9 +236,8 @@ def serve(
 
     if log_level.lower() not in LOG_LEVELS:
         raise fail(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}", EXIT_USAGE)
-    if encoder_backend not in STREAM_BACKENDS:  # before a big model's minute of loading
-        raise fail(f"--encoder-backend {encoder_backend!r}: serve takes one of {', '.join(STREAM_BACKENDS)}",
-                    EXIT_USAGE)
+    # Before a big model's minute of loading.
+    check_choice("--encoder-backend", encoder_backend, STREAM_BACKENDS, "serve takes")
     check_runtime(device, dtype)
     check_streaming(chunk_ms, left_ms, right_ms)
     try:

@@ -12,8 +12,8 @@ from typing import Optional
 
 import typer
 
-from transcribe.cli_options import (EXIT_NOTHING_RAN, EXIT_USAGE, check_runtime, fail, out_folder, refuse_empty,
-                                    writable_folder)
+from transcribe.cli_options import (EXIT_NOTHING_RAN, EXIT_USAGE, check_choice, check_runtime, fail, out_folder,
+                                    refuse_empty, writable_folder)
 
 
 def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Optional[str],
@@ -26,7 +26,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
     `words`: an output shows word times (Whisper aligns words only then). `language`, `task`,
-    `prompt`: --language, --task, --prompt. `out` (--out, `_out_folder`) and `report` (--json: its folder must be
+    `prompt`: --language, --task, --prompt. `out` (--out, `out_folder`) and `report` (--json: its folder must be
     writable) are checked once the inputs are known and before the model loads (None: not
     given)."""
     from engines.checkpoint import CheckpointError
@@ -39,13 +39,9 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     from engines.encoder_backend import BackendOptions
     from transcribe.audio_frontend import FEATURES_ON
 
-    if encoder_backend not in BACKENDS:
-        raise fail(f"--encoder-backend {encoder_backend!r}: expected one of {', '.join(BACKENDS)}", EXIT_USAGE)
-    if decoder_mode not in [m.value for m in DecodeMode]:
-        raise fail(f"--decoder-mode {decoder_mode!r}: expected one of {', '.join(m.value for m in DecodeMode)}",
-                    EXIT_USAGE)
-    if features_on not in FEATURES_ON:
-        raise fail(f"--features-on {features_on!r}: expected one of {', '.join(FEATURES_ON)}", EXIT_USAGE)
+    check_choice("--encoder-backend", encoder_backend, BACKENDS)
+    check_choice("--decoder-mode", decoder_mode, (m.value for m in DecodeMode))
+    check_choice("--features-on", features_on, FEATURES_ON)
     check_runtime(device, dtype)
     if task not in ("transcribe", "translate"):
         raise fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)

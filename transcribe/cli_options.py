@@ -99,6 +99,13 @@ def file_path(path: Optional[Path], option: str) -> None:
         raise fail(f"{option} {str(path) or repr('')}: names a folder, not a file", EXIT_USAGE)
 
 
+def check_choice(option: str, value: str, choices, verb: str = "expected") -> None:
+    """A usage error naming the option and its choices unless `value` is one of `choices`."""
+    choices = list(choices)
+    if value not in choices:
+        raise fail(f"{option} {value!r}: {verb} one of {', '.join(choices)}", EXIT_USAGE)
+
+
 def check_runtime(device: str, dtype: str) -> None:
     """--device and --dtype name something that exists (whether this machine has it is the
     model loader's to say)."""
@@ -106,8 +113,7 @@ def check_runtime(device: str, dtype: str) -> None:
 
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)
-    if dtype not in DTYPE_CHOICES:
-        raise fail(f"--dtype {dtype!r}: expected one of {', '.join(DTYPE_CHOICES)}", EXIT_USAGE)
+    check_choice("--dtype", dtype, DTYPE_CHOICES)
 
 
 def check_streaming(chunk_ms: Optional[float], left_ms: Optional[float], right_ms: Optional[float]) -> None:
