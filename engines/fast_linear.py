@@ -3,9 +3,12 @@
 Why: on the AMD EPYC (Zen 5) machines we measure on, PyTorch's default fp32 GEMM (MKL) runs
 at ~40-75 GFLOP/s per 2 cores, while oneDNN's matmul on a weight reordered once into its
 blocked layout reaches ~100-190 GFLOP/s on the same shapes: the encoder is >90% GEMM, so this
-is its biggest single speed-up. Results equal `F.linear` up to fp32 rounding (~1e-6). A bf16
-weight packs the same way and runs ~1.9x faster again on a CPU with native bf16 (avx512_bf16
-/ AMX): oneDNN accumulates in fp32 and rounds the output to bf16.
+is its biggest single speed-up (on an Intel Xeon with AVX-512, MKL's fp32 GEMM already runs at
+~220-300 GFLOP/s per 2 cores and packing changes nothing). Results equal `F.linear` up to fp32
+rounding (~1e-6). A bf16 weight packs the same way; oneDNN accumulates in fp32 and rounds the
+output to bf16. Whether bf16 is faster depends on the CPU, not only on its flags: ~1.9x on the
+EPYC, but 0.55x on an Intel Xeon with AVX512_BF16 and no AMX (~165 GFLOP/s against fp32's
+~300), so `bf16_gemm_pays` times both once before anything picks bf16 by itself.
 
 The packed weight is an opaque `torch._mkldnn` tensor held as a plain attribute (not a
 parameter or buffer: `state_dict`, `.to()` and ONNX export cannot handle it), so a packed model
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import platform
+import time
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +61,45 @@ def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
     tol = PACKABLE_DTYPES[dtype]
     return bool(torch.allclose(y.float(), x.float() @ w.float().t(), atol=tol, rtol=tol))
+
+
+# The GEMM `bf16_gemm_pays` times: the shape of a Whisper-base / FastConformer feed-forward
+# layer over ~1000 rows (2.1 GFLOP, ~10-20 ms a run on 2 cores), and the fraction of fp32's time
+# bf16 must beat: when the two are close, fp32 (exact, the reference) is the choice.
+PROBE_SHAPE = (1024, 512, 2048)  # rows, in_features, out_features
+PROBE_MARGIN = 0.85
+
+
+def probe_gemm(dtype: torch.dtype) -> Callable[[], float]:
+    """A timer: each call runs one packed PROBE_SHAPE linear in `dtype` and returns its seconds
+    (the weight packed and the first run made here, outside any timing)."""
+    rows, k, n = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    layer = PackedLinear(torch.randn(n, k, generator=gen).to(dtype), None)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    layer(x)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        layer(x)
+        return time.perf_counter() - t0
+
+    return run
+
+
+@functools.cache
+def bf16_gemm_pays(rounds: int = 3) -> bool:
+    """Whether bf16 packed linears run in under PROBE_MARGIN of fp32's time on this CPU, as
+    timed once per process (~0.1 s; fp32 and bf16 interleaved, best of `rounds` each, so a
+    burst of outside load hits both). False where oneDNN cannot compute bf16 here at all."""
+    if not (onednn_linear_available(torch.float32) and onednn_linear_available(torch.bfloat16)):
+        return False
+    timers = {dtype: probe_gemm(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    best = {dtype: float("inf") for dtype in timers}
+    for _ in range(rounds):
+        for dtype, run in timers.items():
+            best[dtype] = min(best[dtype], run())
+    return best[torch.bfloat16] < PROBE_MARGIN * best[torch.float32]
 
 
 class PackedLinear(nn.Module):

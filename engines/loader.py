@@ -72,7 +72,7 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     engines/encoder_backend.py) to Parakeet models, Whisper's encoder runs eager torch.
     `dtype` (auto, float32, bfloat16, float16; aliases fp32, bf16, fp16: engines/precision.py)
     sets the encoder's compute dtype in both families (auto: float32, except Whisper: float16 on
-    CUDA, bfloat16 on CPUs with bf16 in hardware; Whisper's CPU decoder stays float32,
+    CUDA, bfloat16 on CPUs whose bf16 GEMMs time faster than fp32's; Whisper's CPU decoder stays float32,
     engines.whisper_engine.compute_dtypes).
     `features_on` (auto, workers, device: transcribe/audio_frontend.py) and `backend_options`
     (engines.encoder_backend.BackendOptions: the profiles' batch limits, TensorRT's cache) apply

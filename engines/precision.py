@@ -1,7 +1,8 @@
 """Which compute dtypes the encoder supports on which device, checked before a model is built.
 
 CPU: float32, and bfloat16 on a CPU with bf16 in hardware, whose oneDNN-packed bf16 linears
-run ~1.9x faster than fp32 (engines.fast_linear); no float16 (oneDNN has no fast fp16 GEMM on
+run ~1.9x faster than fp32 on an AMD EPYC but slower on an Intel Xeon without AMX
+(engines.fast_linear.bf16_gemm_pays times them where a caller picks the dtype itself); no float16 (oneDNN has no fast fp16 GEMM on
 the CPUs we target). CUDA: float32, float16, and bfloat16 from compute capability 8.0
 (Ampere) on, the first with bf16 tensor cores.
 """
@@ -48,8 +49,8 @@ def resolve_dtype(name: str, device: torch.device | str, auto: torch.dtype = tor
     unsupported there); `auto` -> the caller's `auto`. Parakeet's is float32 everywhere: it
     reproduces NeMo's outputs exactly, and reduced precision stays opt-in until it is measured on
     real weights (WER) and on a GPU -- bf16 gave different greedy tokens on 17 of 32 random-weight
-    fixture files (near ties). Whisper's is float16 on CUDA and bfloat16 on CPUs with bf16
-    (engines/whisper_engine.py)."""
+    fixture files (near ties). Whisper's is float16 on CUDA and bfloat16 on CPUs whose bf16
+    GEMMs time faster than fp32's (engines/whisper_engine.py)."""
     key = ALIASES.get(name, name)
     if key == "auto":
         return auto

@@ -65,11 +65,14 @@ CONTINUATIONS = 2
 
 def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     """`--dtype` name -> (encoder, decoder) compute dtypes on `device` (ValueError when unknown or
-    unsupported there: engines.precision). auto: float16 on CUDA; on the CPU bfloat16 where it
-    has bf16 in hardware (AVX512_BF16 / AMX / Arm BF16), else float32. The bf16 encoder gave
-    the same WER as fp32 over 235 files (0.92 h, manifest_eval_short + the long-form joins:
-    14.05 vs 14.06 %; 11.79 vs 11.63 % on the 100 test-other files alone) and ran the whole
-    command 1.41x faster on test-other (2-core AMD EPYC).
+    unsupported there: engines.precision). auto: float16 on CUDA; on the CPU bfloat16 where its
+    GEMMs run faster than fp32's, as timed once per process (engines.fast_linear.bf16_gemm_pays),
+    else float32. The bf16 encoder gave the same WER as fp32 over 235 files (0.92 h,
+    manifest_eval_short + the long-form joins: 14.05 vs 14.06 %; 11.79 vs 11.63 % on the 100
+    test-other files alone) and ran the whole command 1.41x faster on test-other (2-core AMD
+    EPYC). Hardware bf16 alone does not make it faster: on a 2-core Intel Xeon with AVX512_BF16
+    and no AMX the bf16 encoder took 1.38x fp32's time (16 test-other windows, 10.53 against
+    7.65 s), so there auto is float32.
 
     The CPU decoder stays float32 whatever the encoder's dtype: its steps are [n <= 16, 512] rows
     and one-query attention over the cached audio, where torch's CPU bf16 attention ran 3.4x
@@ -82,11 +85,12 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     (RTFx 19.8 / 20.1 against 17.7 / 18.2, interleaved) with WER 10.80 against 10.85 %, and 7 of
     7,484 words changed over the 235 files of manifest_eval_short and the long-form joins. CUDA
     runs both halves in the one dtype."""
-    from engines.fast_linear import onednn_linear_available
+    from engines.fast_linear import bf16_gemm_pays
     from engines.precision import resolve_dtype
 
     cuda = torch.device(device).type == "cuda"
-    cpu_auto = torch.bfloat16 if onednn_linear_available(torch.bfloat16) else torch.float32
+    # Timed only when asked for auto on the CPU: an explicit dtype needs no probe.
+    cpu_auto = torch.bfloat16 if not cuda and dtype == "auto" and bf16_gemm_pays() else torch.float32
     encoder = resolve_dtype(dtype, device, auto=torch.float16 if cuda else cpu_auto)
     return encoder, encoder if cuda else torch.float32
 
@@ -324,7 +328,7 @@ class WhisperEngine:
         from a CT2 config.json when present, else from the tokenizer. CPU threads default to
         the usable cores. `decoder_mode`: auto, full-graph, unrolled or eager (a graph mode that
         cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, bfloat16 on a
-        CPU with bf16 in hardware, else float32), float32, bfloat16 (CPUs with bf16 in
+        CPU whose bf16 GEMMs time faster than fp32's, else float32), float32, bfloat16 (CPUs with bf16 in
         hardware, CUDA sm80+), float16 (CUDA), or the aliases fp32 / bf16 / fp16; see
         `compute_dtypes`.
         """

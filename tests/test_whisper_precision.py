@@ -102,13 +102,72 @@ def test_unsupported_dtypes_fail_before_the_weights_are_read(monkeypatch):
         WhisperEngine.from_bundled(dtype="bfloat16")
 
 
-def test_auto_is_bf16_on_cpus_with_bf16_else_fp32():
-    """--dtype auto on the CPU: the bf16 encoder where the hardware computes bf16 (same WER as
+def fake_probe(seconds: dict):
+    """probe_gemm stand-in: timers returning fixed seconds per dtype, counting their runs."""
+    runs = []
+
+    def probe(dtype):
+        def run():
+            runs.append(dtype)
+            return seconds[dtype]
+        return run
+    return probe, runs
+
+
+@pytest.mark.parametrize("bf16_seconds, pays", [(0.5, True), (0.84, True), (0.86, False), (1.8, False)])
+def test_bf16_is_taken_only_where_its_gemm_beats_fp32s_by_the_margin(monkeypatch, bf16_seconds, pays):
+    """A CPU with hardware bf16 can still run bf16 GEMMs slower than fp32 (an Intel Xeon with
+    AVX512_BF16 and no AMX: 0.55x), so bf16_gemm_pays times both: bf16 must take under
+    PROBE_MARGIN (0.85) of fp32's time, fp32 and bf16 each run `rounds` times."""
+    from engines import fast_linear
+
+    probe, runs = fake_probe({torch.float32: 1.0, torch.bfloat16: bf16_seconds})
+    monkeypatch.setattr(fast_linear, "probe_gemm", probe)
+    monkeypatch.setattr(fast_linear, "onednn_linear_available", lambda dtype=torch.float32: True)
+    fast_linear.bf16_gemm_pays.cache_clear()
+    try:
+        assert fast_linear.bf16_gemm_pays() is pays
+        assert sorted(map(str, runs)) == ["torch.bfloat16"] * 3 + ["torch.float32"] * 3
+    finally:
+        fast_linear.bf16_gemm_pays.cache_clear()
+
+
+def test_bf16_never_pays_where_onednn_cannot_compute_it(monkeypatch):
+    from engines import fast_linear
+
+    probe, runs = fake_probe({torch.float32: 1.0, torch.bfloat16: 0.1})
+    monkeypatch.setattr(fast_linear, "probe_gemm", probe)
+    monkeypatch.setattr(fast_linear, "onednn_linear_available", lambda dtype=torch.float32: dtype == torch.float32)
+    fast_linear.bf16_gemm_pays.cache_clear()
+    try:
+        assert fast_linear.bf16_gemm_pays() is False and runs == []
+    finally:
+        fast_linear.bf16_gemm_pays.cache_clear()
+
+
+def test_the_probe_times_real_packed_gemms_in_both_dtypes():
+    """The real probe on this CPU: it runs (bf16 only where oneDNN computes it) and returns seconds."""
+    from engines.fast_linear import onednn_linear_available, probe_gemm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        if onednn_linear_available(dtype):
+            assert 0 < probe_gemm(dtype)() < 10
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_auto_is_bf16_on_the_cpu_only_where_bf16_gemms_pay(monkeypatch, pays):
+    """--dtype auto on the CPU: the bf16 encoder where bf16 GEMMs measured faster (same WER as
     fp32 over 0.92 h of speech, engines/whisper_engine.compute_dtypes), else fp32; the CPU
-    decoder fp32 either way."""
-    from engines.fast_linear import onednn_linear_available
+    decoder fp32 either way. An explicit dtype runs no probe."""
+    from engines import fast_linear
     from engines.whisper_engine import compute_dtypes
 
-    want = torch.bfloat16 if onednn_linear_available(torch.bfloat16) else torch.float32
-    assert compute_dtypes("auto", "cpu") == (want, torch.float32)
+    monkeypatch.setattr(fast_linear, "bf16_gemm_pays", lambda: pays)
+    assert compute_dtypes("auto", "cpu") == (torch.bfloat16 if pays else torch.float32, torch.float32)
+
+    def no_probe():
+        raise AssertionError("an explicit --dtype must not time the GEMMs")
+    monkeypatch.setattr(fast_linear, "bf16_gemm_pays", no_probe)
     assert compute_dtypes("float32", "cpu") == (torch.float32, torch.float32)
+    if onednn_linear_available(torch.bfloat16):
+        assert compute_dtypes("bf16", "cpu") == (torch.bfloat16, torch.float32)
