@@ -17,12 +17,15 @@ is for inference only; build an unpacked one for export.
 from __future__ import annotations
 
 import functools
+import logging
 import platform
 import time
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
+
+log = logging.getLogger("transcribe")
 
 # Rows per GEMM the packed layout is tuned for; measured insensitive between 256 and 1500.
 M_HINT = 512
@@ -99,7 +102,10 @@ def bf16_gemm_pays(rounds: int = 3) -> bool:
     for _ in range(rounds):
         for dtype, run in timers.items():
             best[dtype] = min(best[dtype], run())
-    return best[torch.bfloat16] < PROBE_MARGIN * best[torch.float32]
+    pays = best[torch.bfloat16] < PROBE_MARGIN * best[torch.float32]
+    log.debug("bf16 packed GEMM %.1f ms, fp32 %.1f ms: bf16 %s", 1e3 * best[torch.bfloat16],
+              1e3 * best[torch.float32], "pays" if pays else "does not pay")
+    return pays
 
 
 class PackedLinear(nn.Module):
