@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 import logging
 import platform
-import time
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
+
+from engines.cpu_threads import best_seconds
 
 log = logging.getLogger("transcribe")
 
@@ -73,35 +74,25 @@ PROBE_SHAPE = (1024, 512, 2048)  # rows, in_features, out_features
 PROBE_MARGIN = 0.85
 
 
-def probe_gemm(dtype: torch.dtype) -> Callable[[], float]:
-    """A timer: each call runs one packed PROBE_SHAPE linear in `dtype` and returns its seconds
-    (the weight packed and the first run made here, outside any timing)."""
+def probe_gemm(dtype: torch.dtype) -> Callable[[], object]:
+    """One packed PROBE_SHAPE linear in `dtype`, as a callable to time (the weight packed and
+    the first run made here, outside any timing)."""
     rows, k, n = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     layer = PackedLinear(torch.randn(n, k, generator=gen).to(dtype), None)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     layer(x)
-
-    def run() -> float:
-        t0 = time.perf_counter()
-        layer(x)
-        return time.perf_counter() - t0
-
-    return run
+    return lambda: layer(x)
 
 
 @functools.cache
 def bf16_gemm_pays(rounds: int = 3) -> bool:
     """Whether bf16 packed linears run in under PROBE_MARGIN of fp32's time on this CPU, as
-    timed once per process (~0.1 s; fp32 and bf16 interleaved, best of `rounds` each, so a
-    burst of outside load hits both). False where oneDNN cannot compute bf16 here at all."""
+    timed once per process (~0.1 s; fp32 and bf16 interleaved, best of `rounds` each:
+    cpu_threads.best_seconds). False where oneDNN cannot compute bf16 here at all."""
     if not (onednn_linear_available(torch.float32) and onednn_linear_available(torch.bfloat16)):
         return False
-    timers = {dtype: probe_gemm(dtype) for dtype in (torch.float32, torch.bfloat16)}
-    best = {dtype: float("inf") for dtype in timers}
-    for _ in range(rounds):
-        for dtype, run in timers.items():
-            best[dtype] = min(best[dtype], run())
+    best = best_seconds({dtype: probe_gemm(dtype) for dtype in (torch.float32, torch.bfloat16)}, rounds)
     pays = best[torch.bfloat16] < PROBE_MARGIN * best[torch.float32]
     log.debug("bf16 packed GEMM %.1f ms, fp32 %.1f ms: bf16 %s", 1e3 * best[torch.bfloat16],
               1e3 * best[torch.float32], "pays" if pays else "does not pay")

@@ -102,16 +102,21 @@ def test_unsupported_dtypes_fail_before_the_weights_are_read(monkeypatch):
         WhisperEngine.from_bundled(dtype="bfloat16")
 
 
-def fake_probe(seconds: dict):
-    """probe_gemm stand-in: timers returning fixed seconds per dtype, counting their runs."""
-    runs = []
+def fake_probe(monkeypatch, seconds: dict):
+    """probe_gemm stand-in on a fake clock (cpu_threads.perf_counter): each run of a dtype's
+    GEMM takes `seconds[dtype]` and is counted."""
+    from engines import cpu_threads, fast_linear
+
+    clock, runs = [0.0], []
 
     def probe(dtype):
         def run():
             runs.append(dtype)
-            return seconds[dtype]
+            clock[0] += seconds[dtype]
         return run
-    return probe, runs
+    monkeypatch.setattr(cpu_threads, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(fast_linear, "probe_gemm", probe)
+    return runs
 
 
 @pytest.mark.parametrize("bf16_seconds, pays", [(0.5, True), (0.84, True), (0.86, False), (1.8, False)])
@@ -121,8 +126,7 @@ def test_bf16_is_taken_only_where_its_gemm_beats_fp32s_by_the_margin(monkeypatch
     PROBE_MARGIN (0.85) of fp32's time, fp32 and bf16 each run `rounds` times."""
     from engines import fast_linear
 
-    probe, runs = fake_probe({torch.float32: 1.0, torch.bfloat16: bf16_seconds})
-    monkeypatch.setattr(fast_linear, "probe_gemm", probe)
+    runs = fake_probe(monkeypatch, {torch.float32: 1.0, torch.bfloat16: bf16_seconds})
     monkeypatch.setattr(fast_linear, "onednn_linear_available", lambda dtype=torch.float32: True)
     fast_linear.bf16_gemm_pays.cache_clear()
     try:
@@ -135,8 +139,7 @@ def test_bf16_is_taken_only_where_its_gemm_beats_fp32s_by_the_margin(monkeypatch
 def test_bf16_never_pays_where_onednn_cannot_compute_it(monkeypatch):
     from engines import fast_linear
 
-    probe, runs = fake_probe({torch.float32: 1.0, torch.bfloat16: 0.1})
-    monkeypatch.setattr(fast_linear, "probe_gemm", probe)
+    runs = fake_probe(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.1})
     monkeypatch.setattr(fast_linear, "onednn_linear_available", lambda dtype=torch.float32: dtype == torch.float32)
     fast_linear.bf16_gemm_pays.cache_clear()
     try:
@@ -146,12 +149,13 @@ def test_bf16_never_pays_where_onednn_cannot_compute_it(monkeypatch):
 
 
 def test_the_probe_times_real_packed_gemms_in_both_dtypes():
-    """The real probe on this CPU: it runs (bf16 only where oneDNN computes it) and returns seconds."""
+    """The real probe on this CPU: it runs (bf16 only where oneDNN computes it) and is timed in seconds."""
+    from engines.cpu_threads import best_seconds
     from engines.fast_linear import onednn_linear_available, probe_gemm
 
     for dtype in (torch.float32, torch.bfloat16):
         if onednn_linear_available(dtype):
-            assert 0 < probe_gemm(dtype)() < 10
+            assert 0 < best_seconds({dtype: probe_gemm(dtype)}, rounds=1)[dtype] < 10
 
 
 @pytest.mark.parametrize("pays", [True, False])
