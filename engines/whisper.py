@@ -3,8 +3,8 @@
 Standard Whisper: conv1d stem (k=3, GELU, the second conv with stride 2), sinusoidal encoder
 positions, learned decoder positions, pre-LN transformer blocks with GELU MLPs, logits tied to
 the token embedding. Attention uses fused projections (one [3d, d] qkv matrix for
-self-attention, [2d, d] kv for cross-attention) and `scaled_dot_product_attention`, except the
-encoder's on the CPU (`full_attention`).
+self-attention, [2d, d] kv for cross-attention) and `scaled_dot_product_attention`, or for the
+encoder on the CPU a per-head oneDNN loop where that times faster (`full_attention`).
 
 Precision is data, not a second copy of the layers: `build_whisper(..., dtype=, decoder_dtype=)`
 stores each half's weights in its compute dtype and activations follow them; LayerNorm
@@ -23,6 +23,8 @@ Internal state-dict names (every loader in `whisper_weights` maps to these):
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engines.conformer import LayerNorm
+from engines.cpu_threads import best_seconds
 from engines.fast_linear import PackedLinear, onednn_linear_available, pack
 from engines.precision import check_dtype
+
+log = logging.getLogger("transcribe")
 
 
 @dataclass(frozen=True)
@@ -102,19 +107,18 @@ class MLP(nn.Module):
         return self.fc2(self.fc1(x))
 
 
-def full_attention(q: Tensor, k: Tensor, v: Tensor, n_head: int) -> Tensor:
-    """Unmasked multi-head attention of q, k, v [B, T, d] -> [B, T, d].
-
-    On the CPU, where oneDNN computes the dtype, each (item, head) is two oneDNN GEMMs around a
-    softmax over its [T, T] scores: for the encoder's 1500 frames torch's CPU flash attention
-    (SDPA) was as slow in bf16 as in fp32 (60 % of the bf16 encoder's time), and this made the
-    whole base encoder 1.57x faster in bf16 and 1.13x in fp32 on the AMD EPYC we measure on (16
-    windows of speech). The scores are rounded to the compute dtype before the softmax (fp32
-    statistics inside it). Elsewhere SDPA.
+def full_attention(q: Tensor, k: Tensor, v: Tensor, n_head: int, kernel: str = "sdpa") -> Tensor:
+    """Unmasked multi-head attention of q, k, v [B, T, d] -> [B, T, d], by `kernel` (one of
+    ATTENTION_KERNELS): "sdpa" is torch's scaled_dot_product_attention (flash attention on the
+    CPU); "loop" runs each (item, head) as two oneDNN GEMMs around a softmax over its [T, T]
+    scores, rounded to the compute dtype first (fp32 statistics inside it), and needs oneDNN to
+    compute the dtype on the CPU. Which is faster depends on the CPU (`encoder_attention_kernel`).
     """
-    if not (q.device.type == "cpu" and onednn_linear_available(q.dtype)):
+    if kernel == "sdpa":
         h = n_head
         return _merge(F.scaled_dot_product_attention(_heads(q, h), _heads(k, h), _heads(v, h)))
+    if kernel != "loop":
+        raise ValueError(f"attention kernel {kernel!r} is not one of {', '.join(ATTENTION_KERNELS)}")
     out = torch.empty_like(q)
     dh = q.shape[-1] // n_head
     gemm = torch.ops.mkldnn._linear_pointwise  # (x, weight [N, K]) -> x @ weight.T
@@ -127,6 +131,40 @@ def full_attention(q: Tensor, k: Tensor, v: Tensor, n_head: int) -> Tensor:
     return out
 
 
+ATTENTION_KERNELS = ("sdpa", "loop")
+# Inside the whole encoder the kernels differ by less than they do alone: the loop ran the base
+# encoder 1.13x faster than SDPA in fp32 and 1.57x in bf16 on the AMD EPYC we measure on (SDPA
+# was 60 % of the bf16 encoder's time there), while on a 2-core Intel Xeon (AVX-512, no AMX) SDPA
+# ran one window-layer's attention in 23-28 ms against the loop's 37-48 and the fp32 encoder
+# 1.1-1.2x faster (8.1-9.8 s against 7.4-8.1 s for 16 windows, interleaved; in `transcribe
+# bench` over test-other, encoder 44.0-45.8 s against 47.9-49.7 s, the same WER). SDPA is taken only
+# when it needs under this fraction of the loop's time alone; near a tie the loop, whose
+# in-encoder advantage on the EPYC was measured, stays.
+SDPA_MARGIN = 0.8
+
+
+@functools.cache
+def encoder_attention_kernel(dtype: torch.dtype, d: int, n_head: int, frames: int) -> str:
+    """The faster of ATTENTION_KERNELS for the CPU encoder's self-attention over `frames` frames
+    of width d in `dtype`, timed once per process and shape on one window (a warm-up, then both
+    interleaved, best of 2: cpu_threads.best_seconds; ~0.25 s for base's 1500 x 512): "sdpa" if
+    it needs under SDPA_MARGIN of the loop's time, else "loop". "sdpa" without timing where
+    oneDNN cannot compute `dtype` (the loop needs it)."""
+    if not onednn_linear_available(dtype):
+        return "sdpa"
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, frames, d, generator=gen).to(dtype) for _ in range(3))
+    runs = {kernel: functools.partial(full_attention, q, k, v, n_head, kernel) for kernel in ATTENTION_KERNELS}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # warm-up: oneDNN primitive creation, first touch of the score buffers
+        best = best_seconds(runs, 2)
+    kernel = "sdpa" if best["sdpa"] < SDPA_MARGIN * best["loop"] else "loop"
+    log.debug("encoder attention (%s, %d frames x %d): sdpa %.1f ms, loop %.1f ms: %s", dtype, frames, d,
+              1e3 * best["sdpa"], 1e3 * best["loop"], kernel)
+    return kernel
+
+
 class SelfAttention(nn.Module):
     """Fused-qkv self-attention (the encoder's; the decoder's cached self-attention is in
     DecoderLayer). Whisper's key projection has no bias: its slot here is zero."""
@@ -135,10 +173,11 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head = n_head
         self.qkv, self.out = Linear(d, 3 * d), Linear(d, d)
+        self.kernel = "sdpa"  # build_whisper picks the CPU's (encoder_attention_kernel)
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        return self.out(full_attention(q, k, v, self.n_head))
+        return self.out(full_attention(q, k, v, self.n_head, self.kernel))
 
 
 class EncoderLayer(nn.Module):
@@ -344,7 +383,8 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
     the encoder's states), the rest of the decoder's in `decoder_dtype` (None: `dtype`),
     LayerNorms' in fp32, each converted from the checkpoint's own dtype. Each dtype is checked against the device
     first (engines.precision.check_dtype: ValueError). On the CPU the linears are then packed
-    (`pack_linears`): the model is for inference only."""
+    (`pack_linears`): the model is for inference only; and the encoder's attention kernel is
+    the one timed faster on this CPU (`encoder_attention_kernel`)."""
     device = torch.device(device)
     decoder_dtype = decoder_dtype or dtype
     for dt in {dtype, decoder_dtype}:
@@ -368,6 +408,9 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
     model.load_state_dict(state, strict=True, assign=True)
     if device.type == "cpu":
         pack_linears(model)
+        kernel = encoder_attention_kernel(dtype, dims.n_audio_state, dims.n_audio_head, dims.n_audio_ctx)
+        for layer in model.encoder.layers:
+            layer.attn.kernel = kernel
     return model.eval().requires_grad_(False)
 
 
