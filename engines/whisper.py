@@ -135,7 +135,7 @@ ATTENTION_KERNELS = ("sdpa", "loop")
 # Inside the whole encoder the kernels differ by less than they do alone: the loop ran the base
 # encoder 1.13x faster than SDPA in fp32 and 1.57x in bf16 on the AMD EPYC we measure on (SDPA
 # was 60 % of the bf16 encoder's time there), while on a 2-core Intel Xeon (AVX-512, no AMX) SDPA
-# ran one window-layer's attention in 23-28 ms against the loop's 37-48 and the fp32 encoder
+# ran one window-layer's attention in 23-28 ms against the loop's 37-57 and the fp32 encoder
 # 1.1-1.2x faster (8.1-9.8 s against 7.4-8.1 s for 16 windows, interleaved; in `transcribe
 # bench` over test-other, encoder 44.0-45.8 s against 47.9-49.7 s, the same WER). SDPA is taken only
 # when it needs under this fraction of the loop's time alone; near a tie the loop, whose
