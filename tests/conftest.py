@@ -114,3 +114,25 @@ def refusing_open(locked: Path):
         return real(file, *args, **kwargs)
 
     return open_
+
+
+class FakeClock:
+    """What `cpu_threads.perf_counter` reads in tests of the startup probes that time two ways
+    of doing the same work (`cpu_threads.best_seconds`): a stand-in for a run calls
+    `spend(key, seconds)`, which records the run and moves the clock on."""
+
+    def __init__(self) -> None:
+        self.now, self.runs = 0.0, []
+
+    def spend(self, key, seconds: float) -> None:
+        self.runs.append(key)
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> FakeClock:
+    from engines import cpu_threads
+
+    clock = FakeClock()
+    monkeypatch.setattr(cpu_threads, "perf_counter", lambda: clock.now)
+    return clock

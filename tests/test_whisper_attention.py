@@ -40,41 +40,32 @@ def test_an_unknown_kernel_is_an_error():
         whisper.full_attention(q, q, q, 2, "flash")
 
 
-def fake_kernels(monkeypatch, seconds: dict[str, float]) -> list[str]:
-    """full_attention stand-in on a fake clock (cpu_threads.perf_counter): a run of a kernel
-    takes `seconds[kernel]` and is recorded."""
-    from engines import cpu_threads
-
-    clock, runs = [0.0], []
-
-    def attention(q, k, v, n_head, kernel):
-        runs.append(kernel)
-        clock[0] += seconds[kernel]
-    monkeypatch.setattr(cpu_threads, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(whisper, "full_attention", attention)
-    return runs
+def fake_kernels(monkeypatch, clock, seconds: dict[str, float]) -> None:
+    """full_attention stand-in on the fake clock: a run of a kernel takes `seconds[kernel]` and
+    is recorded in clock.runs."""
+    monkeypatch.setattr(whisper, "full_attention", lambda q, k, v, n_head, kernel: clock.spend(kernel, seconds[kernel]))
 
 
 @pytest.mark.parametrize("sdpa_seconds, kernel", [(0.5, "sdpa"), (0.79, "sdpa"), (0.81, "loop"), (1.5, "loop")])
-def test_sdpa_is_taken_only_where_it_beats_the_loop_by_the_margin(monkeypatch, sdpa_seconds, kernel):
+def test_sdpa_is_taken_only_where_it_beats_the_loop_by_the_margin(monkeypatch, fake_clock, sdpa_seconds, kernel):
     """Alone, SDPA's lead overstates its lead inside the encoder, so it must take under
     SDPA_MARGIN (0.8) of the loop's time; each kernel runs a warm-up and 2 timed rounds."""
-    runs = fake_kernels(monkeypatch, {"loop": 1.0, "sdpa": sdpa_seconds})
+    fake_kernels(monkeypatch, fake_clock, {"loop": 1.0, "sdpa": sdpa_seconds})
     monkeypatch.setattr(whisper, "onednn_linear_available", lambda dtype: True)
     whisper.encoder_attention_kernel.cache_clear()
     try:
         assert whisper.encoder_attention_kernel(torch.float32, 64, 4, 30) == kernel
-        assert sorted(runs) == ["loop"] * 3 + ["sdpa"] * 3
+        assert sorted(fake_clock.runs) == ["loop"] * 3 + ["sdpa"] * 3
     finally:
         whisper.encoder_attention_kernel.cache_clear()
 
 
-def test_without_onednn_for_the_dtype_it_is_sdpa_untimed(monkeypatch):
-    runs = fake_kernels(monkeypatch, {"loop": 0.1, "sdpa": 1.0})
+def test_without_onednn_for_the_dtype_it_is_sdpa_untimed(monkeypatch, fake_clock):
+    fake_kernels(monkeypatch, fake_clock, {"loop": 0.1, "sdpa": 1.0})
     monkeypatch.setattr(whisper, "onednn_linear_available", lambda dtype: False)
     whisper.encoder_attention_kernel.cache_clear()
     try:
-        assert whisper.encoder_attention_kernel(torch.float32, 64, 4, 30) == "sdpa" and runs == []
+        assert whisper.encoder_attention_kernel(torch.float32, 64, 4, 30) == "sdpa" and fake_clock.runs == []
     finally:
         whisper.encoder_attention_kernel.cache_clear()
 

@@ -102,48 +102,39 @@ def test_unsupported_dtypes_fail_before_the_weights_are_read(monkeypatch):
         WhisperEngine.from_bundled(dtype="bfloat16")
 
 
-def fake_probe(monkeypatch, seconds: dict):
-    """probe_gemm stand-in on a fake clock (cpu_threads.perf_counter): each run of a dtype's
-    GEMM takes `seconds[dtype]` and is counted."""
-    from engines import cpu_threads, fast_linear
+def fake_probe(monkeypatch, clock, seconds: dict) -> None:
+    """probe_gemm stand-in on the fake clock: each run of a dtype's GEMM takes
+    `seconds[dtype]` and is recorded in clock.runs."""
+    from engines import fast_linear
 
-    clock, runs = [0.0], []
-
-    def probe(dtype):
-        def run():
-            runs.append(dtype)
-            clock[0] += seconds[dtype]
-        return run
-    monkeypatch.setattr(cpu_threads, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(fast_linear, "probe_gemm", probe)
-    return runs
+    monkeypatch.setattr(fast_linear, "probe_gemm", lambda dtype: lambda: clock.spend(dtype, seconds[dtype]))
 
 
 @pytest.mark.parametrize("bf16_seconds, pays", [(0.5, True), (0.84, True), (0.86, False), (1.8, False)])
-def test_bf16_is_taken_only_where_its_gemm_beats_fp32s_by_the_margin(monkeypatch, bf16_seconds, pays):
+def test_bf16_is_taken_only_where_its_gemm_beats_fp32s_by_the_margin(monkeypatch, fake_clock, bf16_seconds, pays):
     """A CPU with hardware bf16 can still run bf16 GEMMs slower than fp32 (an Intel Xeon with
     AVX512_BF16 and no AMX: 0.55x), so bf16_gemm_pays times both: bf16 must take under
     PROBE_MARGIN (0.85) of fp32's time, fp32 and bf16 each run `rounds` times."""
     from engines import fast_linear
 
-    runs = fake_probe(monkeypatch, {torch.float32: 1.0, torch.bfloat16: bf16_seconds})
+    fake_probe(monkeypatch, fake_clock, {torch.float32: 1.0, torch.bfloat16: bf16_seconds})
     monkeypatch.setattr(fast_linear, "onednn_linear_available", lambda dtype=torch.float32: True)
     fast_linear.bf16_gemm_pays.cache_clear()
     try:
         assert fast_linear.bf16_gemm_pays() is pays
-        assert sorted(map(str, runs)) == ["torch.bfloat16"] * 3 + ["torch.float32"] * 3
+        assert sorted(map(str, fake_clock.runs)) == ["torch.bfloat16"] * 3 + ["torch.float32"] * 3
     finally:
         fast_linear.bf16_gemm_pays.cache_clear()
 
 
-def test_bf16_never_pays_where_onednn_cannot_compute_it(monkeypatch):
+def test_bf16_never_pays_where_onednn_cannot_compute_it(monkeypatch, fake_clock):
     from engines import fast_linear
 
-    runs = fake_probe(monkeypatch, {torch.float32: 1.0, torch.bfloat16: 0.1})
+    fake_probe(monkeypatch, fake_clock, {torch.float32: 1.0, torch.bfloat16: 0.1})
     monkeypatch.setattr(fast_linear, "onednn_linear_available", lambda dtype=torch.float32: dtype == torch.float32)
     fast_linear.bf16_gemm_pays.cache_clear()
     try:
-        assert fast_linear.bf16_gemm_pays() is False and runs == []
+        assert fast_linear.bf16_gemm_pays() is False and fake_clock.runs == []
     finally:
         fast_linear.bf16_gemm_pays.cache_clear()
 
