@@ -165,6 +165,46 @@ def encoder_attention_kernel(dtype: torch.dtype, d: int, n_head: int, frames: in
     return kernel
 
 
+# The decoder's cross-attention cache (every layer's K/V of the audio, projected once per window)
+# is read whole at every token step for one query per row: memory traffic more than arithmetic.
+# Over a bf16 cache, torch's SDPA (the query cast to bf16 and the output back to fp32) took 0.51-0.59
+# of the fp32 cache's time on a 2-core Intel Xeon with AVX512_BF16 (2-16 rows; 2.0 against 4.3 ms
+# for 16 rows on one thread), where torch's bf16 attention had run 3.4x slower than fp32 on the AMD
+# EPYC we measure on. So the store's dtype is timed, as the encoder's attention kernel is, and bf16
+# is taken only when it needs under this fraction of fp32's time.
+CROSS_BF16_MARGIN = 0.8
+
+
+@functools.cache
+def cross_cache_dtype(d: int, n_head: int, frames: int, n_layer: int) -> torch.dtype:
+    """The dtype the fp32 CPU decoder's cross-attention K/V cache is stored in: bfloat16 if one
+    token step's attention over it (4 rows, one query each over `frames` audio frames of width
+    d, `n_layer` times) needs under CROSS_BF16_MARGIN of an fp32 cache's time, timed once per
+    process and shape (a warm-up, then both interleaved, best of 3: cpu_threads.best_seconds;
+    a few ms for base), else float32. Small enough to stay in the CPU's caches, which favours
+    fp32: a real step's cache (16 windows x 6 layers x 2 x 3 MB for base) is read from memory,
+    where halving the bytes gains more."""
+    gen = torch.Generator().manual_seed(0)
+    dh = d // n_head
+    q = torch.randn(4, n_head, 1, dh, generator=gen)
+    k, v = (torch.randn(4, n_head, frames, dh, generator=gen) for _ in range(2))
+    caches = {dtype: (k.to(dtype), v.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+
+    def step(dtype: torch.dtype) -> None:
+        for _ in range(n_layer):
+            F.scaled_dot_product_attention(q.to(dtype), *caches[dtype]).float()
+
+    runs = {dtype: functools.partial(step, dtype) for dtype in caches}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # warm-up
+        best = best_seconds(runs, 3)
+    dtype = torch.bfloat16 if best[torch.bfloat16] < CROSS_BF16_MARGIN * best[torch.float32] else torch.float32
+    log.debug("decoder cross-attention cache: bf16 %.2f ms, fp32 %.2f ms a step: %s", 1e3 * best[torch.bfloat16],
+              1e3 * best[torch.float32], dtype)
+    return dtype
+
+
 class SelfAttention(nn.Module):
     """Fused-qkv self-attention (the encoder's; the decoder's cached self-attention is in
     DecoderLayer). Whisper's key projection has no bias: its slot here is zero."""
@@ -221,7 +261,8 @@ class KVCache:
     self_k / self_v: [layers, slots, max_len, d], written in place at [layer, :n, length:...].
     cross_k / cross_v: [layers, slots, heads, n_audio_ctx, d / heads], computed once from the
     audio states; head-major and contiguous because every step streams all of them (the
-    memory-bound part of a decoder step) and strided views made attention ~1.5x slower.
+    memory-bound part of a decoder step) and strided views made attention ~1.5x slower; in
+    the decoder's `cache_dtype`, which may be bf16 under an fp32 decoder (`cross_cache_dtype`).
     Rows 0..n-1 are the live items; `keep` compacts finished ones away so every step works on
     contiguous views instead of gathering. (`whisper_static.StaticCache` is the fixed-shape
     variant the CUDA-graph modes use: written by a position tensor, attended through a mask.)
@@ -284,7 +325,9 @@ class CrossAttention(nn.Module):
         its own, so this is exact)."""
         n, t, d = x.shape
         q = self.q(x).reshape(k.shape[0], -1, d)  # a view; with g = 1 the same shape
-        y = _merge(F.scaled_dot_product_attention(_heads(q, self.n_head), k, v))
+        # k, v may be stored in another dtype than x's (TextDecoder.cross_dtype): the query meets
+        # them in theirs and the result comes back in x's.
+        y = _merge(F.scaled_dot_product_attention(_heads(q, self.n_head).to(k.dtype), k, v).to(x.dtype))
         return self.out(y.reshape(n, t, d))
 
 
@@ -317,11 +360,18 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(d, dims.n_text_head) for _ in range(dims.n_text_layer))
         self.ln = LayerNorm(d)
         self.head = Linear(d, dims.n_vocab, bias=False)  # tied: build_whisper gives it embed's weight
+        # The cross-attention K/V cache's dtype; None: the compute dtype (see build_whisper).
+        self.cross_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype, that of the caches (the token embedding is stored in it)."""
         return self.embed.weight.dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the cross-attention K/V are stored in (`cross_dtype`, else the compute dtype)."""
+        return self.cross_dtype or self.dtype
 
     @property
     def audio_dtype(self) -> torch.dtype:
@@ -334,8 +384,9 @@ class TextDecoder(nn.Module):
         b, t_audio, d = audio.shape
         n, h = len(self.layers), self.layers[0].n_head
         new = {"dtype": self.dtype, "device": audio.device}
+        cross = {"dtype": self.cache_dtype, "device": audio.device}
         cache = KVCache(torch.empty(n, b, max_len, d, **new), torch.empty(n, b, max_len, d, **new),
-                        torch.empty(n, b, h, t_audio, d // h, **new), torch.empty(n, b, h, t_audio, d // h, **new))
+                        torch.empty(n, b, h, t_audio, d // h, **cross), torch.empty(n, b, h, t_audio, d // h, **cross))
         self.project_audio(audio, cache.cross_k, cache.cross_v)
         return cache
 
@@ -377,17 +428,20 @@ class Whisper(nn.Module):
 
 
 def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | torch.device = "cpu",
-                  dtype: torch.dtype = torch.float32, decoder_dtype: torch.dtype | None = None) -> Whisper:
+                  dtype: torch.dtype = torch.float32, decoder_dtype: torch.dtype | None = None,
+                  cross_dtype: torch.dtype | None = None) -> Whisper:
     """Construct on the meta device (no init cost) and assign `state` on `device`, the audio
     side's weights in `dtype` (the encoder and the decoder's cross K/V projection, which reads
     the encoder's states), the rest of the decoder's in `decoder_dtype` (None: `dtype`),
-    LayerNorms' in fp32, each converted from the checkpoint's own dtype. Each dtype is checked against the device
-    first (engines.precision.check_dtype: ValueError). On the CPU the linears are then packed
-    (`pack_linears`): the model is for inference only; and the encoder's attention kernel is
-    the one timed faster on this CPU (`encoder_attention_kernel`)."""
+    LayerNorms' in fp32, each converted from the checkpoint's own dtype; the decoder's
+    cross-attention cache is stored in `cross_dtype` (None: `decoder_dtype`). Each dtype is
+    checked against the device first (engines.precision.check_dtype: ValueError). On the CPU the
+    linears are then packed (`pack_linears`): the model is for inference only; and the encoder's
+    attention kernel is the one timed faster on this CPU (`encoder_attention_kernel`)."""
     device = torch.device(device)
     decoder_dtype = decoder_dtype or dtype
-    for dt in {dtype, decoder_dtype}:
+    cross_dtype = cross_dtype or decoder_dtype
+    for dt in {dtype, decoder_dtype, cross_dtype}:
         check_dtype(dt, device)
     state = dict(state)
     if "encoder.pos" not in state:  # sinusoidal, so checkpoints may leave it out
@@ -406,6 +460,7 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
     state = {k: v.to(device=device, dtype=dtype_of(k)) for k, v in state.items()}
     state["decoder.head.weight"] = state["decoder.embed.weight"]  # one tensor, until packing copies it
     model.load_state_dict(state, strict=True, assign=True)
+    model.decoder.cross_dtype = cross_dtype
     if device.type == "cpu":
         pack_linears(model)
         kernel = encoder_attention_kernel(dtype, dims.n_audio_state, dims.n_audio_head, dims.n_audio_ctx)

@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from transcribe.results import Result, Segment, Word
 from transcribe.stitching import shift
 from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, FeatureConfig,
                                          log_mel_spectrogram)
+
+if TYPE_CHECKING:
+    from engines.whisper import WhisperDims
 
 WINDOW_SECONDS = 30.0
 # A file that fits one window is decoded whole; longer files are cut at pauses into pieces of at
@@ -76,15 +80,15 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
 
     The CPU decoder stays float32 whatever the encoder's dtype: its steps are [n <= 16, 512] rows
     and one-query attention over the cached audio, where torch's CPU bf16 attention ran 3.4x
-    slower than fp32 (16 rows, 1 thread). A bf16 decoder took 1.16-1.42x the fp32 decoder's time on
-    16 windows of test-other and changed 2.2 % of fp32's words (the bf16 encoder alone: 0.6 %);
+    slower than fp32 on the AMD EPYC (16 rows, 1 thread). A bf16 decoder took 1.16-1.42x the
+    fp32 decoder's time on 16 windows of test-other and changed 2.2 % of fp32's words (the bf16 encoder alone: 0.6 %);
     fp32 also keeps the logits the timestamp rules compare unrounded. The decoder's cross K/V
     projection is the exception: it reads the encoder's states once per window, a [B * 1500, d]
-    GEMM per layer, and runs in the encoder's dtype (`build_whisper`), writing the fp32 cache. In
-    bf16 it took 0.37 s instead of 0.85 s for 16 windows; test-other ran 1.10x faster end to end
-    (RTFx 19.8 / 20.1 against 17.7 / 18.2, interleaved) with WER 10.80 against 10.85 %, and 7 of
-    7,484 words changed over the 235 files of manifest_eval_short and the long-form joins. CUDA
-    runs both halves in the one dtype."""
+    GEMM per layer, and runs in the encoder's dtype (`build_whisper`), writing the cache (fp32, or
+    bf16 where `cache_dtype` picks it). In bf16 it took 0.37 s instead of 0.85 s for 16 windows;
+    test-other ran 1.10x faster end to end (RTFx 19.8 / 20.1 against 17.7 / 18.2, interleaved)
+    with WER 10.80 against 10.85 %, and 7 of 7,484 words changed over the 235 files of
+    manifest_eval_short and the long-form joins. CUDA runs both halves in the one dtype."""
     from engines.fast_linear import bf16_gemm_pays
     from engines.precision import resolve_dtype
 
@@ -93,6 +97,25 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     cpu_auto = torch.bfloat16 if not cuda and dtype == "auto" and bf16_gemm_pays() else torch.float32
     encoder = resolve_dtype(dtype, device, auto=torch.float16 if cuda else cpu_auto)
     return encoder, encoder if cuda else torch.float32
+
+
+def cache_dtype(dtype: str, device: str, decoder_dtype: torch.dtype, dims: WhisperDims) -> torch.dtype:
+    """The dtype of the decoder's cross-attention K/V cache for `--dtype` name `dtype`: with auto,
+    on the CPU, under the fp32 decoder, bfloat16 where attention over a bf16 cache times faster
+    (engines.whisper.cross_cache_dtype, once per process); else the decoder's own dtype (an
+    explicit dtype times nothing, and keeps fp32 an fp32 run throughout).
+
+    Why: a CPU token step reads every layer's cached audio K/V for one query per row. On a 2-core
+    Intel Xeon (AVX512_BF16, fp32 encoder and decoder) the bf16 cache took the decoder stage of
+    `transcribe bench` over test-other from 17.6-18.7 s to 14.9-15.4 s (whole run 62.1-64.7 s
+    against 59.5-60.7 s, interleaved) with the same words on all 100 files; over the 486 files
+    of ../shared/data/speech (1.79 h) 9 of 15,562 words changed (mostly punctuation) and 84 of
+    13,425 word times moved, by at most 0.08 s."""
+    from engines.whisper import cross_cache_dtype
+
+    if dtype != "auto" or torch.device(device).type != "cpu" or decoder_dtype != torch.float32:
+        return decoder_dtype
+    return cross_cache_dtype(dims.n_text_state, dims.n_text_head, dims.n_audio_ctx, dims.n_text_layer)
 
 
 class WhisperFrontend:
@@ -195,6 +218,8 @@ class WhisperEngine:
         model, dec = self.decoder.model, self.decoder
         name = {half: str(half.dtype).removeprefix("torch.") for half in (model.encoder, model.decoder)}
         note = f"encoder {name[model.encoder]}, decoder {name[model.decoder]} {dec.mode}"
+        if model.decoder.cache_dtype != model.decoder.dtype:
+            note += f" (cross-attention cache {str(model.decoder.cache_dtype).removeprefix('torch.')})"
         if dec.tok.is_multilingual:
             note += f", language {dec.opts.language or 'auto'}"
             if dec.opts.task != "transcribe":
@@ -330,7 +355,7 @@ class WhisperEngine:
         cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, bfloat16 on a
         CPU whose bf16 GEMMs time faster than fp32's, else float32), float32, bfloat16 (CPUs with bf16 in
         hardware, CUDA sm80+), float16 (CUDA), or the aliases fp32 / bf16 / fp16; see
-        `compute_dtypes`.
+        `compute_dtypes`, and `cache_dtype` for the decoder's cross-attention cache.
         """
         import json
         import os
@@ -358,7 +383,8 @@ class WhisperEngine:
         tok = load_tokenizer(found[0], dims.n_vocab)
         cfg = folder / "config.json"
         suppress = json.loads(cfg.read_text()).get("suppress_ids") if cfg.is_file() else None
-        model = build_whisper(dims, state, device, encoder_dtype, decoder_dtype)
+        model = build_whisper(dims, state, device, encoder_dtype, decoder_dtype,
+                              cache_dtype(dtype, device, decoder_dtype, dims))
         decoder = GreedyDecoder(model, tok, options, suppress, alignment_heads(dims, folder))
         decoder.set_mode(decoder_mode)
         return cls(decoder, batch_size)

@@ -121,7 +121,9 @@ class Fallback:
         idx = torch.tensor(rows, device=cross_k.device)
         layers, _, heads, _, d_head = cross_k.shape
         self_shape = (layers, len(rows) * k, dec.opts.max_length, heads * d_head)
-        cache = KVCache(cross_k.new_empty(self_shape), cross_v.new_empty(self_shape),
+        # The self K/V in the decoder's compute dtype, which the cross K/V's may differ from.
+        self_kv = {"dtype": dec.model.decoder.dtype, "device": cross_k.device}
+        cache = KVCache(torch.empty(self_shape, **self_kv), torch.empty(self_shape, **self_kv),
                         cross_k.index_select(1, idx), cross_v.index_select(1, idx), group=k)
         languages = [lang for lang in languages for _ in range(k)]  # each window's, for its k samples
         progress, no_speech = dec.token_loop(cache, len(rows) * k, sampler, languages)

@@ -72,7 +72,8 @@ class StaticDecoding:
         L, d, h = dims.n_text_layer, dims.n_text_state, dims.n_text_head
         self.self_k = torch.zeros(L, capacity, self.max_len, d, dtype=dtype, device=dev)
         self.self_v = torch.zeros_like(self.self_k)
-        self.cross_k = torch.zeros(L, capacity, h, dims.n_audio_ctx, d // h, dtype=dtype, device=dev)
+        self.cross_k = torch.zeros(L, capacity, h, dims.n_audio_ctx, d // h, dtype=model.decoder.cache_dtype,
+                                   device=dev)
         self.cross_v = torch.zeros_like(self.cross_k)
         self.logits = torch.zeros(capacity, dims.n_vocab, device=dev)
         self.token = torch.zeros(capacity, 1, dtype=torch.long, device=dev)
