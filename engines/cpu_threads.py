@@ -9,8 +9,9 @@ times the engine's own decode with 1 thread and with all of them once at startup
 faster. The large matrix work (encoders) always keeps all threads.
 
 `best_seconds` is how every such startup choice between two ways of doing the same work is
-timed (here, the bf16-or-fp32 GEMM choice in `engines.fast_linear.bf16_gemm_pays`, and the
-Whisper encoder's attention kernel in `engines.whisper.encoder_attention_kernel`).
+timed (here, the bf16-or-fp32 GEMM choice in `engines.fast_linear.bf16_gemm_pays`, the
+Whisper encoder's attention kernel in `engines.whisper.encoder_attention_kernel`, and the
+dtype of its decoder's cross-attention cache in `engines.whisper.cross_cache_dtype`).
 """
 from __future__ import annotations
 

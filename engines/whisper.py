@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engines.conformer import LayerNorm
-from engines.cpu_threads import best_seconds
+from engines.cpu_threads import DECODER_THREADS, best_seconds, decoder_threads
 from engines.fast_linear import PackedLinear, onednn_linear_available, pack
 from engines.precision import check_dtype
 
@@ -180,10 +180,13 @@ def cross_cache_dtype(d: int, n_head: int, frames: int, n_layer: int) -> torch.d
     """The dtype the fp32 CPU decoder's cross-attention K/V cache is stored in: bfloat16 if one
     token step's attention over it (4 rows, one query each over `frames` audio frames of width
     d, `n_layer` times) needs under CROSS_BF16_MARGIN of an fp32 cache's time, timed once per
-    process and shape (a warm-up, then both interleaved, best of 3: cpu_threads.best_seconds;
-    a few ms for base), else float32. Small enough to stay in the CPU's caches, which favours
+    process and shape (a warm-up, then both interleaved, best of 5: cpu_threads.best_seconds;
+    ~0.1 s for base), else float32. Small enough to stay in the CPU's caches, which favours
     fp32: a real step's cache (16 windows x 6 layers x 2 x 3 MB for base) is read from memory,
-    where halving the bytes gains more."""
+    where halving the bytes gains more. Timed on one thread (DECODER_THREADS, the token loop's
+    until it measures its own): with two, a core taken by anything else (the preprocessing
+    workers start beside the model load) made the bf16/fp32 ratio jump between 0.25 and 1.81
+    over 15 probes, where one thread kept it at 0.53-0.75 (0.52-0.57 idle)."""
     gen = torch.Generator().manual_seed(0)
     dh = d // n_head
     q = torch.randn(4, n_head, 1, dh, generator=gen)
@@ -195,10 +198,10 @@ def cross_cache_dtype(d: int, n_head: int, frames: int, n_layer: int) -> torch.d
             F.scaled_dot_product_attention(q.to(dtype), *caches[dtype]).float()
 
     runs = {dtype: functools.partial(step, dtype) for dtype in caches}
-    with torch.inference_mode():
+    with torch.inference_mode(), decoder_threads("cpu", DECODER_THREADS):
         for run in runs.values():
             run()  # warm-up
-        best = best_seconds(runs, 3)
+        best = best_seconds(runs, 5)
     dtype = torch.bfloat16 if best[torch.bfloat16] < CROSS_BF16_MARGIN * best[torch.float32] else torch.float32
     log.debug("decoder cross-attention cache: bf16 %.2f ms, fp32 %.2f ms a step: %s", 1e3 * best[torch.bfloat16],
               1e3 * best[torch.float32], dtype)

@@ -48,13 +48,22 @@ def fake_attention(monkeypatch, clock, seconds: dict[torch.dtype, float]) -> Non
                                                 (0.81, torch.float32), (3.4, torch.float32)])
 def test_bf16_is_taken_only_where_it_beats_fp32_by_the_margin(monkeypatch, fake_clock, bf16_seconds, want):
     """bf16 rounds the cache, so it must take under CROSS_BF16_MARGIN (0.8) of fp32's time; each
-    dtype runs a warm-up and 3 timed steps, a step being one attention call per layer."""
+    dtype runs a warm-up and 5 timed steps, a step being one attention call per layer, on one
+    thread (two made the ratio jump under outside load)."""
     fake_attention(monkeypatch, fake_clock, {torch.float32: 1.0, torch.bfloat16: bf16_seconds})
+    threads = []
+    real = whisper.F.scaled_dot_product_attention
+    monkeypatch.setattr(whisper.F, "scaled_dot_product_attention",
+                        lambda *a, **k: threads.append(torch.get_num_threads()) or real(*a, **k))
     whisper.cross_cache_dtype.cache_clear()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
         assert whisper.cross_cache_dtype(64, 4, 30, 2) is want
-        assert sorted(fake_clock.runs, key=str) == [torch.bfloat16] * 8 + [torch.float32] * 8
+        assert sorted(fake_clock.runs, key=str) == [torch.bfloat16] * 12 + [torch.float32] * 12
+        assert set(threads) == {1} and torch.get_num_threads() == 2
     finally:
+        torch.set_num_threads(before)
         whisper.cross_cache_dtype.cache_clear()
 
 
