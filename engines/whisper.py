@@ -368,7 +368,8 @@ class TextDecoder(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype, that of the caches (the token embedding is stored in it)."""
+        """The compute dtype, that of the self-attention cache (the token embedding is stored in
+        it); the cross-attention cache's is `cache_dtype`."""
         return self.embed.weight.dtype
 
     @property

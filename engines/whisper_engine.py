@@ -81,14 +81,15 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     The CPU decoder stays float32 whatever the encoder's dtype: its steps are [n <= 16, 512] rows
     and one-query attention over the cached audio, where torch's CPU bf16 attention ran 3.4x
     slower than fp32 on the AMD EPYC (16 rows, 1 thread). A bf16 decoder took 1.16-1.42x the
-    fp32 decoder's time on 16 windows of test-other and changed 2.2 % of fp32's words (the bf16 encoder alone: 0.6 %);
-    fp32 also keeps the logits the timestamp rules compare unrounded. The decoder's cross K/V
+    fp32 decoder's time on 16 windows of test-other and changed 2.2 % of fp32's words (the bf16
+    encoder alone: 0.6 %); fp32 also keeps the logits the timestamp rules compare unrounded. The decoder's cross K/V
     projection is the exception: it reads the encoder's states once per window, a [B * 1500, d]
-    GEMM per layer, and runs in the encoder's dtype (`build_whisper`), writing the cache (fp32, or
-    bf16 where `cache_dtype` picks it). In bf16 it took 0.37 s instead of 0.85 s for 16 windows;
-    test-other ran 1.10x faster end to end (RTFx 19.8 / 20.1 against 17.7 / 18.2, interleaved)
-    with WER 10.80 against 10.85 %, and 7 of 7,484 words changed over the 235 files of
-    manifest_eval_short and the long-form joins. CUDA runs both halves in the one dtype."""
+    GEMM per layer, and runs in the encoder's dtype (`build_whisper`), writing the cache (fp32,
+    or bf16 where `cross_attention_cache_dtype` picks it). In bf16 it took 0.37 s instead of
+    0.85 s for 16 windows; test-other ran 1.10x faster end to end (RTFx 19.8 / 20.1 against
+    17.7 / 18.2, interleaved) with WER 10.80 against 10.85 %, and 7 of 7,484 words changed over
+    the 235 files of manifest_eval_short and the long-form joins. CUDA runs both halves in the
+    one dtype."""
     from engines.fast_linear import bf16_gemm_pays
     from engines.precision import resolve_dtype
 
@@ -99,7 +100,8 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     return encoder, encoder if cuda else torch.float32
 
 
-def cache_dtype(dtype: str, device: str, decoder_dtype: torch.dtype, dims: WhisperDims) -> torch.dtype:
+def cross_attention_cache_dtype(dtype: str, device: str, decoder_dtype: torch.dtype, dims: WhisperDims
+                                ) -> torch.dtype:
     """The dtype of the decoder's cross-attention K/V cache for `--dtype` name `dtype`: with auto,
     on the CPU, under the fp32 decoder, bfloat16 where attention over a bf16 cache times faster
     (engines.whisper.cross_cache_dtype, once per process); else the decoder's own dtype (an
@@ -355,7 +357,7 @@ class WhisperEngine:
         cannot run falls back, logged once). `dtype`: auto (float16 on CUDA, bfloat16 on a
         CPU whose bf16 GEMMs time faster than fp32's, else float32), float32, bfloat16 (CPUs with bf16 in
         hardware, CUDA sm80+), float16 (CUDA), or the aliases fp32 / bf16 / fp16; see
-        `compute_dtypes`, and `cache_dtype` for the decoder's cross-attention cache.
+        `compute_dtypes`, and `cross_attention_cache_dtype` for the decoder's cross-attention cache.
         """
         import json
         import os
@@ -384,7 +386,7 @@ class WhisperEngine:
         cfg = folder / "config.json"
         suppress = json.loads(cfg.read_text()).get("suppress_ids") if cfg.is_file() else None
         model = build_whisper(dims, state, device, encoder_dtype, decoder_dtype,
-                              cache_dtype(dtype, device, decoder_dtype, dims))
+                              cross_attention_cache_dtype(dtype, device, decoder_dtype, dims))
         decoder = GreedyDecoder(model, tok, options, suppress, alignment_heads(dims, folder))
         decoder.set_mode(decoder_mode)
         return cls(decoder, batch_size)

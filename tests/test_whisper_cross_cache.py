@@ -1,10 +1,11 @@
 """The Whisper decoder's cross-attention cache dtype on the CPU (engines/whisper.py,
-engines/whisper_engine.cache_dtype): under the fp32 decoder the cached audio K/V may be stored in
-bf16, where attention over a bf16 cache times faster (on an Intel Xeon with AVX512_BF16 it took
-0.51-0.59 of fp32's time; on an AMD EPYC torch's bf16 attention was 3.4x slower). Attention over
-it stays fp32 attention within bf16's rounding, the choice is timed once and only for --dtype
-auto, every path that reads the cache (greedy, the temperature fallback's samples, the static
-step, word alignment) runs over it, and on real speech it gives fp32's words."""
+engines/whisper_engine.cross_attention_cache_dtype): under the fp32 decoder the cached audio K/V
+may be stored in bf16, where attention over a bf16 cache times faster (on an Intel Xeon with
+AVX512_BF16 it took 0.51-0.59 of fp32's time; on an AMD EPYC torch's bf16 attention was 3.4x
+slower). Attention over it stays fp32 attention within bf16's rounding, the choice is timed once
+and only for --dtype auto, every path that reads the cache (greedy, the temperature fallback's
+samples, the static step, word alignment) runs over it, and on real speech it gives fp32's
+words."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from engines import whisper
 from engines.decode_modes import DecodeMode
 from engines.whisper import CrossAttention, build_whisper
 from engines.whisper_decoding import DecodeOptions
-from engines.whisper_engine import cache_dtype
+from engines.whisper_engine import cross_attention_cache_dtype
 from engines.whisper_graph import WhisperGraphs
 
 # As tests/test_whisper_fallback.py: short windows, three temperatures of three samples.
@@ -87,13 +88,14 @@ def test_the_cache_dtype_is_timed_only_for_auto_on_the_cpu_under_an_fp32_decoder
     asked = []
     monkeypatch.setattr(whisper, "cross_cache_dtype",
                         lambda *shape: asked.append(shape) or (torch.bfloat16 if pays else torch.float32))
-    assert cache_dtype("auto", "cpu", torch.float32, dims) is (torch.bfloat16 if pays else torch.float32)
+    want = torch.bfloat16 if pays else torch.float32
+    assert cross_attention_cache_dtype("auto", "cpu", torch.float32, dims) is want
     assert asked == [(dims.n_text_state, dims.n_text_head, dims.n_audio_ctx, dims.n_text_layer)]
     # An explicit dtype keeps the decoder's; so does CUDA (one dtype for both halves there), and
     # a decoder already in bf16.
     for name, device, decoder in (("float32", "cpu", torch.float32), ("bf16", "cpu", torch.float32),
                                   ("auto", "cuda", torch.float16), ("auto", "cpu", torch.bfloat16)):
-        assert cache_dtype(name, device, decoder, dims) is decoder
+        assert cross_attention_cache_dtype(name, device, decoder, dims) is decoder
     assert len(asked) == 1
 
 
