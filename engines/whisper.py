@@ -199,8 +199,12 @@ def cross_cache_dtype(d: int, n_head: int, frames: int, n_layer: int) -> torch.d
 
     runs = {dtype: functools.partial(step, dtype) for dtype in caches}
     with torch.inference_mode(), decoder_threads("cpu", DECODER_THREADS):
-        for run in runs.values():
-            run()  # warm-up
+        try:
+            for run in runs.values():
+                run()  # warm-up
+        except RuntimeError as e:  # a torch build or CPU without bf16 attention: fp32, untimed
+            log.debug("decoder cross-attention cache: float32 (bf16 attention failed: %s)", e)
+            return torch.float32
         best = best_seconds(runs, 5)
     dtype = torch.bfloat16 if best[torch.bfloat16] < CROSS_BF16_MARGIN * best[torch.float32] else torch.float32
     log.debug("decoder cross-attention cache: bf16 %.2f ms, fp32 %.2f ms a step: %s", 1e3 * best[torch.bfloat16],

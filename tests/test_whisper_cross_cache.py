@@ -68,6 +68,19 @@ def test_bf16_is_taken_only_where_it_beats_fp32_by_the_margin(monkeypatch, fake_
         whisper.cross_cache_dtype.cache_clear()
 
 
+def test_where_bf16_attention_fails_the_cache_is_fp32_untimed(monkeypatch):
+    def sdpa(q, k, v, **_):
+        if k.dtype == torch.bfloat16:
+            raise RuntimeError("\"flash_attention\" not implemented for 'BFloat16'")
+        return q
+    monkeypatch.setattr(whisper.F, "scaled_dot_product_attention", sdpa)
+    whisper.cross_cache_dtype.cache_clear()
+    try:
+        assert whisper.cross_cache_dtype(64, 4, 30, 2) is torch.float32
+    finally:
+        whisper.cross_cache_dtype.cache_clear()
+
+
 def test_the_real_probe_runs_once_per_shape(monkeypatch):
     whisper.cross_cache_dtype.cache_clear()
     calls = []
