@@ -332,7 +332,7 @@ class CrossAttention(nn.Module):
         its own, so this is exact)."""
         n, t, d = x.shape
         q = self.q(x).reshape(k.shape[0], -1, d)  # a view; with g = 1 the same shape
-        # k, v may be stored in another dtype than x's (TextDecoder.cross_dtype): the query meets
+        # k, v may be stored in another dtype than x's (TextDecoder.cache_dtype): the query meets
         # them in theirs and the result comes back in x's.
         y = _merge(F.scaled_dot_product_attention(_heads(q, self.n_head).to(k.dtype), k, v).to(x.dtype))
         return self.out(y.reshape(n, t, d))
@@ -367,19 +367,15 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(d, dims.n_text_head) for _ in range(dims.n_text_layer))
         self.ln = LayerNorm(d)
         self.head = Linear(d, dims.n_vocab, bias=False)  # tied: build_whisper gives it embed's weight
-        # The cross-attention K/V cache's dtype; None: the compute dtype (see build_whisper).
-        self.cross_dtype: torch.dtype | None = None
+        # The dtype the cross-attention K/V cache is stored in: build_whisper sets it (the
+        # compute dtype, or bf16 under an fp32 CPU decoder where that is faster).
+        self.cache_dtype = torch.float32
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype, that of the self-attention cache (the token embedding is stored in
         it); the cross-attention cache's is `cache_dtype`."""
         return self.embed.weight.dtype
-
-    @property
-    def cache_dtype(self) -> torch.dtype:
-        """The dtype the cross-attention K/V are stored in (`cross_dtype`, else the compute dtype)."""
-        return self.cross_dtype or self.dtype
 
     @property
     def audio_dtype(self) -> torch.dtype:
@@ -468,7 +464,7 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
     state = {k: v.to(device=device, dtype=dtype_of(k)) for k, v in state.items()}
     state["decoder.head.weight"] = state["decoder.embed.weight"]  # one tensor, until packing copies it
     model.load_state_dict(state, strict=True, assign=True)
-    model.decoder.cross_dtype = cross_dtype
+    model.decoder.cache_dtype = cross_dtype
     if device.type == "cpu":
         pack_linears(model)
         kernel = encoder_attention_kernel(dtype, dims.n_audio_state, dims.n_audio_head, dims.n_audio_ctx)

@@ -82,9 +82,9 @@ def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
     and one-query attention over the cached audio, where torch's CPU bf16 attention ran 3.4x
     slower than fp32 on the AMD EPYC (16 rows, 1 thread). A bf16 decoder took 1.16-1.42x the
     fp32 decoder's time on 16 windows of test-other and changed 2.2 % of fp32's words (the bf16
-    encoder alone: 0.6 %); fp32 also keeps the logits the timestamp rules compare unrounded. The decoder's cross K/V
-    projection is the exception: it reads the encoder's states once per window, a [B * 1500, d]
-    GEMM per layer, and runs in the encoder's dtype (`build_whisper`), writing the cache (fp32,
+    encoder alone: 0.6 %); fp32 also keeps the logits the timestamp rules compare unrounded. The
+    decoder's cross K/V projection is the exception: it reads the encoder's states once per
+    window, a [B * 1500, d] GEMM per layer, and runs in the encoder's dtype (`build_whisper`), writing the cache (fp32,
     or bf16 where `cross_attention_cache_dtype` picks it). In bf16 it took 0.37 s instead of
     0.85 s for 16 windows; test-other ran 1.10x faster end to end (RTFx 19.8 / 20.1 against
     17.7 / 18.2, interleaved) with WER 10.80 against 10.85 %, and 7 of 7,484 words changed over
@@ -218,10 +218,12 @@ class WhisperEngine:
         """How the model runs, for the one-line startup note: dtypes, the decoder mode and, for
         multilingual models, the language (or auto)."""
         model, dec = self.decoder.model, self.decoder
-        name = {half: str(half.dtype).removeprefix("torch.") for half in (model.encoder, model.decoder)}
-        note = f"encoder {name[model.encoder]}, decoder {name[model.decoder]} {dec.mode}"
+        def name(dtype: torch.dtype) -> str:
+            return str(dtype).removeprefix("torch.")
+
+        note = f"encoder {name(model.encoder.dtype)}, decoder {name(model.decoder.dtype)} {dec.mode}"
         if model.decoder.cache_dtype != model.decoder.dtype:
-            note += f" (cross-attention cache {str(model.decoder.cache_dtype).removeprefix('torch.')})"
+            note += f" (cross-attention cache {name(model.decoder.cache_dtype)})"
         if dec.tok.is_multilingual:
             note += f", language {dec.opts.language or 'auto'}"
             if dec.opts.task != "transcribe":

@@ -154,12 +154,12 @@ def test_the_bundled_base_gives_fp32s_words_over_a_bf16_cache():
     want = engine.decode_windows(wavs, words=True)
     assert "cross-attention" not in engine.runtime
     text = engine.decoder.model.decoder
-    text.cross_dtype = torch.bfloat16
+    text.cache_dtype = torch.bfloat16
     try:
         got = engine.decode_windows(wavs, words=True)
         assert engine.runtime.startswith("encoder float32, decoder float32 eager (cross-attention cache bfloat16)")
     finally:
-        text.cross_dtype = None
+        text.cache_dtype = torch.float32
     assert [r.text for r in got] == [r.text for r in want]
     for g, w in zip(got, want):
         assert max((abs(a[0] - b[0]) for a, b in zip(g.words, w.words)), default=0) <= 0.1
