@@ -255,8 +255,12 @@ class AudioEncoder(nn.Module):
 
     def forward(self, mel: Tensor) -> Tensor:
         """mel: [B, n_mels, 2 * n_audio_ctx] -> audio states [B, n_audio_ctx, d] in self.dtype."""
-        x = F.gelu(self.conv2(F.gelu(self.conv1(mel.to(self.dtype))))).transpose(1, 2)
-        x = x + self.pos[: x.shape[1]]
+        x = F.gelu(self.conv2(F.gelu(self.conv1(mel.to(self.dtype)))))  # [B, d, T]
+        b, d, t = x.shape
+        # The positions are added into a [B, T, d] buffer, transposing in the same pass: `x.mT +
+        # pos` would keep the conv's channel-first strides, every residual add after it would
+        # too, and each LayerNorm would copy its input to contiguous first (8 % of the encoder).
+        x = torch.add(x.transpose(1, 2), self.pos[:t], out=x.new_empty(b, t, d))
         for layer in self.layers:
             x = layer(x)
         return self.ln(x)

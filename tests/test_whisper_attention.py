@@ -99,3 +99,25 @@ def test_build_whisper_gives_every_encoder_layer_the_probed_kernel_and_the_encod
     assert asked == [(torch.float32, 64, 4, 1500)] * len(kernels)
     if len(states) == 2:
         torch.testing.assert_close(states["loop"], states["sdpa"], atol=1e-4, rtol=1e-4)
+
+
+def test_the_encoder_layers_get_a_contiguous_residual_stream_and_the_states_of_the_plain_formula():
+    """The conv front end is channel-first; the positions are added while transposing, so the
+    residual stream is [B, T, d] contiguous (else every add keeps the conv's strides and every
+    LayerNorm copies its input first) and the states are those of `conv.mT + pos`."""
+    dims = random_dims(width=64, heads=4)
+    dims = type(dims)(**{**vars(dims), "n_audio_layer": 2})
+    model = whisper.build_whisper(dims, random_state(dims), "cpu")
+    enc = model.encoder
+    mel = torch.randn(2, dims.n_mels, 2 * dims.n_audio_ctx, generator=torch.Generator().manual_seed(3))
+    seen = []
+    for layer in enc.layers:
+        layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    with torch.inference_mode():
+        states = enc(mel)
+        x = torch.nn.functional.gelu(enc.conv2(torch.nn.functional.gelu(enc.conv1(mel)))).mT + enc.pos
+        for layer in enc.layers:
+            x = layer(x)
+        plain = enc.ln(x)
+    assert seen[:2] == [True, True]
+    torch.testing.assert_close(states, plain, atol=1e-5, rtol=1e-5)
