@@ -361,6 +361,9 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.mlp_ln(x))
 
 
+PROJECT_ROWS = 2  # windows per cross K/V projection block (TextDecoder.project_audio)
+
+
 class TextDecoder(nn.Module):
     def __init__(self, dims: WhisperDims):
         super().__init__()
@@ -374,6 +377,7 @@ class TextDecoder(nn.Module):
         # The dtype the cross-attention K/V cache is stored in: build_whisper sets it (the
         # compute dtype, or bf16 under an fp32 CPU decoder where that is faster).
         self.cache_dtype = torch.float32
+        self.kept: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # batch_cache's buffers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -389,24 +393,57 @@ class TextDecoder(nn.Module):
 
     def new_cache(self, audio: Tensor, max_len: int) -> KVCache:
         """Allocate the self-attention cache and project audio [B, T_a, d] to cross K/V once."""
-        b, t_audio, d = audio.shape
-        n, h = len(self.layers), self.layers[0].n_head
-        new = {"dtype": self.dtype, "device": audio.device}
-        cross = {"dtype": self.cache_dtype, "device": audio.device}
-        cache = KVCache(torch.empty(n, b, max_len, d, **new), torch.empty(n, b, max_len, d, **new),
-                        torch.empty(n, b, h, t_audio, d // h, **cross), torch.empty(n, b, h, t_audio, d // h, **cross))
+        cache = KVCache(*self._cache_buffers(audio.shape[0], max_len, audio.shape[1], audio.device))
         self.project_audio(audio, cache.cross_k, cache.cross_v)
         return cache
 
+    def batch_cache(self, audio: Tensor, max_len: int) -> KVCache:
+        """`new_cache` in buffers kept from the call before (grown when a batch has more windows):
+        the cache is valid until the next call. A fresh cache faults its pages in one at a time as
+        the projection writes them (16 windows of base: 295 MB of cross K/V in bf16); on a 2-core
+        Intel Xeon VM a 16-window greedy decode took 4.1-4.6 s with fresh caches and 3.2-3.3 s with
+        kept ones, and the decoder stage of `transcribe bench` over test-other 13.7-14.4 s against
+        15.1-15.6 s, for 90-160 MB more peak memory (the cache now outlives its batch, beside the
+        next batch's encoder). The greedy pass's cache lives until its batch's fallback and word
+        alignment are done, and batches run one after another. On CUDA the caching allocator already
+        reuses memory without faults, and kept buffers would only hold memory the next batch's
+        encoder could use: a fresh cache there."""
+        if audio.device.type != "cpu":
+            return self.new_cache(audio, max_len)
+        b, t_audio = audio.shape[:2]
+        kept = self.kept
+        if (kept is None or kept[0].shape[1] < b or kept[0].shape[2] != max_len or kept[2].shape[3] != t_audio
+                or (kept[0].dtype, kept[2].dtype) != (self.dtype, self.cache_dtype)):
+            rows = b if kept is None else max(b, kept[0].shape[1])
+            self.kept = None  # the old buffers go before the new ones are allocated
+            self.kept = kept = self._cache_buffers(rows, max_len, t_audio, audio.device)
+        cache = KVCache(*(buf[:, :b] for buf in kept))
+        self.project_audio(audio, cache.cross_k, cache.cross_v)
+        return cache
+
+    def _cache_buffers(self, b: int, max_len: int, t_audio: int, device: torch.device
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Empty self K/V [layers, b, max_len, d] (compute dtype) and cross K/V
+        [layers, b, heads, t_audio, d / heads] (`cache_dtype`)."""
+        n, h, d = len(self.layers), self.layers[0].n_head, self.pos.shape[1]
+        new = {"dtype": self.dtype, "device": device}
+        cross = {"dtype": self.cache_dtype, "device": device}
+        return (torch.empty(n, b, max_len, d, **new), torch.empty(n, b, max_len, d, **new),
+                torch.empty(n, b, h, t_audio, d // h, **cross), torch.empty(n, b, h, t_audio, d // h, **cross))
+
     def project_audio(self, audio: Tensor, cross_k: Tensor, cross_v: Tensor) -> None:
         """audio [n, T_a, d] (the encoder's dtype) -> every layer's cross K/V, written into
-        cross_k / cross_v [layers, n, heads, T_a, d / heads] (views of a larger buffer are fine)."""
+        cross_k / cross_v [layers, n, heads, T_a, d / heads] (views of a larger buffer are fine).
+        PROJECT_ROWS windows at a time: the projection's [rows, T_a, 2d] output, copied into the
+        head-major cache, is then a small block the allocator reuses, not a fresh one of 98 MB
+        per layer for 16 windows (0.59 s against 0.72 s for 16 windows of base on the CPU)."""
         h = self.layers[0].n_head
         audio = audio.to(self.audio_dtype)
         for i, layer in enumerate(self.layers):
-            k, v = layer.cross.kv(audio).chunk(2, dim=-1)
-            cross_k[i].copy_(_heads(k, h))
-            cross_v[i].copy_(_heads(v, h))
+            for r in range(0, audio.shape[0], PROJECT_ROWS):
+                k, v = layer.cross.kv(audio[r:r + PROJECT_ROWS]).chunk(2, dim=-1)
+                cross_k[i, r:r + PROJECT_ROWS].copy_(_heads(k, h))
+                cross_v[i, r:r + PROJECT_ROWS].copy_(_heads(v, h))
 
     def forward(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """tokens: [n, T] ids for positions cache.length..+T -> logits [n, T, n_vocab] (fp32)."""
