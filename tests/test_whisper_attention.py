@@ -121,3 +121,23 @@ def test_the_encoder_layers_get_a_contiguous_residual_stream_and_the_states_of_t
         plain = enc.ln(x)
     assert seen[:2] == [True, True]
     torch.testing.assert_close(states, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_on_the_cpu_the_encoder_runs_a_few_windows_at_a_time_with_the_states_of_the_whole_batch(monkeypatch):
+    """Blocks of ENCODE_ROWS windows keep each block's activations under glibc's mmap
+    threshold (reused, not faulted in fresh per layer); every window is encoded alone anyway."""
+    dims = random_dims(width=64, heads=4)
+    dims = type(dims)(**{**vars(dims), "n_audio_layer": 2})
+    model = whisper.build_whisper(dims, random_state(dims), "cpu")
+    enc = model.encoder
+    mel = torch.randn(5, dims.n_mels, 2 * dims.n_audio_ctx, generator=torch.Generator().manual_seed(4))
+    rows = []
+    enc.layers[0].register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    with torch.inference_mode():
+        blocked = enc(mel)
+        block = whisper.ENCODE_ROWS
+        monkeypatch.setattr(whisper, "ENCODE_ROWS", 5)
+        whole = enc(mel)
+    assert rows == [min(block, 5 - r) for r in range(0, 5, block)] + [5]
+    assert len(rows) > 2
+    torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=1e-5)
