@@ -101,15 +101,20 @@ def test_build_whisper_gives_every_encoder_layer_the_probed_kernel_and_the_encod
         torch.testing.assert_close(states["loop"], states["sdpa"], atol=1e-4, rtol=1e-4)
 
 
+def small_encoder_and_mel(windows: int, seed: int) -> tuple[whisper.AudioEncoder, torch.Tensor]:
+    """A two-layer random encoder (Whisper's 1500 frames, width 64) and seeded log-mel windows."""
+    dims = random_dims(width=64, heads=4)
+    dims = type(dims)(**{**vars(dims), "n_audio_layer": 2})
+    model = whisper.build_whisper(dims, random_state(dims), "cpu")
+    mel = torch.randn(windows, dims.n_mels, 2 * dims.n_audio_ctx, generator=torch.Generator().manual_seed(seed))
+    return model.encoder, mel
+
+
 def test_the_encoder_layers_get_a_contiguous_residual_stream_and_the_states_of_the_plain_formula():
     """The conv front end is channel-first; the positions are added while transposing, so the
     residual stream is [B, T, d] contiguous (else every add keeps the conv's strides and every
     LayerNorm copies its input first) and the states are those of `conv.mT + pos`."""
-    dims = random_dims(width=64, heads=4)
-    dims = type(dims)(**{**vars(dims), "n_audio_layer": 2})
-    model = whisper.build_whisper(dims, random_state(dims), "cpu")
-    enc = model.encoder
-    mel = torch.randn(2, dims.n_mels, 2 * dims.n_audio_ctx, generator=torch.Generator().manual_seed(3))
+    enc, mel = small_encoder_and_mel(windows=2, seed=3)
     seen = []
     for layer in enc.layers:
         layer.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
@@ -126,11 +131,7 @@ def test_the_encoder_layers_get_a_contiguous_residual_stream_and_the_states_of_t
 def test_on_the_cpu_the_encoder_runs_a_few_windows_at_a_time_with_the_states_of_the_whole_batch(monkeypatch):
     """Blocks of ENCODE_ROWS windows keep each block's activations under glibc's mmap
     threshold (reused, not faulted in fresh per layer); every window is encoded alone anyway."""
-    dims = random_dims(width=64, heads=4)
-    dims = type(dims)(**{**vars(dims), "n_audio_layer": 2})
-    model = whisper.build_whisper(dims, random_state(dims), "cpu")
-    enc = model.encoder
-    mel = torch.randn(5, dims.n_mels, 2 * dims.n_audio_ctx, generator=torch.Generator().manual_seed(4))
+    enc, mel = small_encoder_and_mel(windows=5, seed=4)
     rows = []
     enc.layers[0].register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     with torch.inference_mode():
