@@ -205,9 +205,9 @@ class GreedyDecoder:
                      languages: list[str | None] | None = None) -> list[WindowResult]:
         """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use (see
         `decode` for frames, words and languages). The cross K/V projection, the prompt and the word
-        alignment run with all threads (the projection is [2 * 1500, d] GEMMs, two windows each,
-        per layer: 1.3 s with 1 thread, 0.8 s with 2 for 16 windows of base, measured as one
-        GEMM a layer), the token loop with `cpu_threads`."""
+        alignment run with all threads (the projection, [1500, d] rows per window and layer: 1.3 s
+        with 1 thread, 0.8 s with 2 for 16 windows of base, measured as one GEMM a layer), the
+        token loop with `cpu_threads`."""
         frames = frames or [2 * audio.shape[1]] * audio.shape[0]
         t = time.perf_counter()
         built = self.graphs.ready(audio.shape[0]) if self.graphs.mode is not DecodeMode.EAGER else None

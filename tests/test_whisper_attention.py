@@ -129,15 +129,15 @@ def test_the_encoder_layers_get_a_contiguous_residual_stream_and_the_states_of_t
 
 
 def test_on_the_cpu_the_encoder_runs_a_few_windows_at_a_time_with_the_states_of_the_whole_batch(monkeypatch):
-    """Blocks of ENCODE_ROWS windows keep each block's activations under glibc's mmap
+    """Blocks of BLOCK_WINDOWS windows keep each block's activations under glibc's mmap
     threshold (reused, not faulted in fresh per layer); every window is encoded alone anyway."""
     enc, mel = small_encoder_and_mel(windows=5, seed=4)
     rows = []
     enc.layers[0].register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
     with torch.inference_mode():
         blocked = enc(mel)
-        block = whisper.ENCODE_ROWS
-        monkeypatch.setattr(whisper, "ENCODE_ROWS", 5)
+        block = whisper.BLOCK_WINDOWS
+        monkeypatch.setattr(whisper, "BLOCK_WINDOWS", 5)
         whole = enc(mel)
     assert rows == [min(block, 5 - r) for r in range(0, 5, block)] + [5]
     assert len(rows) > 2

@@ -2,7 +2,7 @@
 `TextDecoder.batch_cache`): a batch's cache takes the pages of the batch before (a fresh one
 faults in ~300 MB of cross K/V per 16 windows of base, about a quarter of the decode's time on a
 2-core VM), grows when a batch has more windows, and decoding batch after batch gives what each
-batch gives alone. The cross K/V are projected a few windows at a time (`PROJECT_ROWS`)."""
+batch gives alone. The cross K/V are projected a few windows at a time (`window_blocks`)."""
 from __future__ import annotations
 
 import torch
@@ -32,7 +32,7 @@ def test_batch_cache_reuses_its_buffers_grows_for_more_windows_and_holds_the_pro
     with torch.inference_mode():
         first = dec.batch_cache(random_audio(model, 3, seed=1), 60)
         storage = first.cross_k.untyped_storage().data_ptr()
-        audio = random_audio(model, 5 if whisper.PROJECT_ROWS < 5 else 2 * whisper.PROJECT_ROWS + 1, seed=2)
+        audio = random_audio(model, 5 if whisper.BLOCK_WINDOWS < 5 else 2 * whisper.BLOCK_WINDOWS + 1, seed=2)
         grown = dec.batch_cache(audio, 60)
         assert grown.cross_k.shape[1] == audio.shape[0]
         assert grown.cross_k.untyped_storage().data_ptr() != storage  # more windows: new buffers
