@@ -222,6 +222,20 @@ def in_chunks(call: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], features:
     return torch.cat(encs, 0), torch.cat(lens, 0)
 
 
+def length_blocks(lengths: Sequence[int], width_of: Callable[[int], int], budget: int) -> list[list[int]]:
+    """Rows of a batch in blocks for the encoder: longest first, each block as many rows as fit
+    `budget` once padded to its own longest (rows x width_of(longest) <= budget; one row at
+    least) -> the row indices of each block, blocks longest first."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    blocks: list[list[int]] = []
+    for i in order:
+        if blocks and (len(blocks[-1]) + 1) * width_of(lengths[blocks[-1][0]]) <= budget:
+            blocks[-1].append(i)
+        else:
+            blocks.append([i])
+    return blocks
+
+
 def turned_off(label: str, why: str) -> str:
     """A backend whose startup check or capture failed: log it once (the caller keeps the
     backend off from then on) -> `why`, for the backend's `off`."""

@@ -21,8 +21,8 @@ from engines.checkpoint import NemoArchive, pop_sub_state_dict, sub_state_dict
 from engines.conformer import ConformerEncoder, EncoderConfig
 from engines.ctc import CTCDecoder
 from engines.decode_modes import DecodeMode
-from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width, make_backend,
-                                     resolve_backend)
+from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width,
+                                     length_blocks, make_backend, resolve_backend)
 from engines.precision import TRT_PRECISION, resolve_dtype
 from engines.stage_times import StageTimes
 from engines.tokenizer import Tokenizer
@@ -35,6 +35,14 @@ from transcribe.timestamps import FrameTiming, build_result
 # Pieces longer than this are cut at pauses by the pipeline: attention memory grows with the
 # square of the length, and Parakeet models were trained on utterances up to about 30-40 s.
 DEFAULT_MAX_PIECE_SECONDS = 40.0
+# On the CPU the eager encoder runs a batch in blocks of rows sorted by length, each at most this
+# much padded audio and cut to its own longest piece (`_encode`); the decoder still steps the
+# whole batch. A CPU GEMM gains little from more rows (one 20 s piece is already 250 x 1024),
+# while a wide batch costs padding (the batcher tops batches up from shorter buckets) and
+# fresh memory for activations. Sweeping --batch-seconds 30/60/120/300 with the 618M model on 2
+# cores found the encoder fastest at 60 s, but the decoder then 3x slower than at 300 s, its
+# loop stepping fewer rows at a time (bench/README.md); blocks keep both.
+CPU_BLOCK_SECONDS = 60.0
 # Batch length buckets (s): the encoder backend's shape profiles are built on these edges and
 # the engine's bucket_edges_s is read back from the backend (engines/encoder_backend.py).
 BUCKET_EDGES_S = DEFAULT_EDGES_S
@@ -136,6 +144,10 @@ class ParakeetEngine:
         self.encoder_backend = make_backend(resolve_backend(encoder_backend, device), self.encoder, self.profiles,
                                             features.cfg.pad_value, backend_options)
         self.bucket_edges_s = self.encoder_backend.bucket_edges_s
+        # Feature frames of padded batch per encoder block (None: the batch in one call). Only
+        # eager torch on the CPU: graphs and TensorRT have their buckets, and a GPU wants rows.
+        self.block_frames = (self._width(per_piece.frames(int(CPU_BLOCK_SECONDS * self.sample_rate)))
+                             if device == "cpu" and self.encoder_backend.name == "torch" else None)
 
     @property
     def runtime(self) -> str:
@@ -206,6 +218,24 @@ class ParakeetEngine:
             self._host = torch.empty(max_items * fe.n_mels * self._batch_width(fe.max_frames), pin_memory=True)
         self.encoder_backend.reserve(max_items)  # CUDA graphs: capture every bucket now
 
+    def _encode(self, feats: torch.Tensor, flen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder over a batch: [B, n_mels, W], [B] -> [B, D, T'], [B]. With `block_frames`,
+        in length-sorted blocks (CPU_BLOCK_SECONDS), each cut to the width a batch of only its
+        rows would have, so every row is encoded as in such a batch; the outputs go back in
+        the batch's row order, zero past each block's frames (past every row's length)."""
+        blocks = None if self.block_frames is None else length_blocks(flen.tolist(), self._width, self.block_frames)
+        if blocks is None or len(blocks) == 1:
+            return self.encoder_backend(feats, flen)
+        enc = elen = None
+        for rows in blocks:
+            idx = torch.tensor(rows)
+            e, n = self.encoder_backend(feats[idx, :, : self._width(int(flen[rows[0]]))], flen[idx])
+            if enc is None:  # the first block holds the longest row: the widest output
+                enc, elen = e.new_zeros(len(flen), e.size(1), e.size(2)), n.new_empty(len(flen))
+            enc[idx, :, : e.size(2)] = e
+            elen[idx] = n
+        return enc, elen
+
     def _width(self, frames: int) -> int:
         """Batch time axis for a longest piece of `frames` frames: what `LogMel` gives a batch
         (one more than the valid frames, rounded up to pad_to), so batched shapes stay equal."""
@@ -266,7 +296,7 @@ class ParakeetEngine:
         prompt (`detects_language` is False)."""
         feats, flen = self._encoder_input(pieces)
         t = time.perf_counter()
-        enc, elen = self.encoder_backend(feats, flen)
+        enc, elen = self._encode(feats, flen)
         t = self.stage_seconds.lap("encoder", t)
         if self.kind == "ctc" and isinstance(self.decoder, TransducerDecoder):
             hyps = self.decoder.decode_ctc(enc, elen)

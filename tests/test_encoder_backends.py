@@ -15,10 +15,10 @@ import torch
 from conftest import Reference, needs_shared
 
 from engines.encoder_backend import (BucketProfile, batch_sizes, bucket_edges, check_profiles, disagreement,
-                                     fill_check_batch, in_chunks, make_profiles, pick_bucket, pick_profile,
-                                     resolve_backend, run_padded)
+                                     fill_check_batch, in_chunks, length_blocks, make_profiles, pick_bucket,
+                                     pick_profile, resolve_backend, run_padded)
 from engines.encoder_tensorrt_build import EngineSpec, atomic_write_bytes, default_cache_dir, model_digest
-from engines.parakeet import BUCKET_EDGES_S, ParakeetEngine
+from engines.parakeet import BUCKET_EDGES_S, CPU_BLOCK_SECONDS, ParakeetEngine
 from engines.transducer import TransducerDecoder
 from transcribe.audio import load_audio
 
@@ -131,6 +131,52 @@ def test_bucketed_engine_reproduces_nemo_end_to_end(engine_and_ref):
     for f, r, r1 in zip(ref.files, batched, alone):
         assert r.tokens == r1.tokens == f["tokens"], f["audio"]
         assert r.text == f["transcribe_text"]
+
+
+def test_length_blocks_fill_a_budget_longest_first():
+    width = lambda n: n + 1  # noqa: E731
+    # widths 10, 10 fill 20; then 6 + 4 + 3 rows padded to 6: 18
+    assert length_blocks([5, 9, 2, 9, 3], width, 20) == [[1, 3], [0, 4, 2]]
+    assert length_blocks([50, 1], width, 20) == [[0], [1]]  # wider than the budget: a block alone
+    assert length_blocks([], width, 20) == []
+
+
+def test_on_the_cpu_the_encoder_runs_a_batch_in_length_sorted_blocks_with_one_calls_outputs(engine_and_ref,
+                                                                                              monkeypatch):
+    """The eager CPU encoder takes a batch in blocks of rows sorted by length, each cut to the
+    width its longest row needs and within the block budget (here about 2.5 middle pieces, to
+    split the fixture's few pieces). Every row's encoding equals the whole batch's in one call,
+    in the batch's row order, and the decoder gives NeMo's tokens from it."""
+    engine, ref = engine_and_ref
+    assert engine.block_frames == engine._width(engine.frontend.frames(int(CPU_BLOCK_SECONDS * engine.sample_rate)))
+    feats, flen = engine._batch(_features(engine, ref))
+    middle = sorted(engine._width(n) for n in flen.tolist())[len(flen) // 2]
+    budget = 5 * middle // 2
+    backend, calls = engine.encoder_backend, []
+
+    def spy(f, n):
+        calls.append((f.size(0), f.size(2), n.tolist()))
+        return backend(f, n)
+
+    monkeypatch.setattr(engine, "encoder_backend", spy)
+    monkeypatch.setattr(engine, "block_frames", budget)
+    with torch.inference_mode():
+        got, got_len = engine._encode(feats, flen)
+        want, want_len = backend(feats, flen)
+    assert len(calls) > 2 and sorted(n for _, _, lens in calls for n in lens) == sorted(flen.tolist())
+    firsts = [lens[0] for _, _, lens in calls]
+    assert firsts == sorted(firsts, reverse=True)  # blocks longest first
+    for rows, width, lens in calls:
+        assert lens == sorted(lens, reverse=True) and width == engine._width(lens[0])
+        assert rows == 1 or rows * width <= budget
+    assert got.shape == want.shape and torch.equal(got_len, want_len)
+    for i, n in enumerate(want_len.tolist()):
+        assert (got[i, :, :n] - want[i, :, :n]).abs().max() < 1e-4
+    assert _tokens(engine, got, got_len) == [f["tokens"] for f in ref.files]
+
+
+def test_only_the_eager_cpu_encoder_runs_in_blocks(reference):
+    assert ParakeetEngine.from_nemo(reference.nemo, "cpu", encoder_backend="compile").block_frames is None
 
 
 @needs_shared
