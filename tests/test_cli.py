@@ -196,6 +196,14 @@ def test_broken_manifest_lines_fail_alone_and_the_rest_is_transcribed(tmp_path):
     bad_duration = rows[str(ref.audio_path(1))]
     assert bad_duration["status"] == "error" and "duration 'n/a'" in bad_duration["error"]
     assert f"{m.resolve()}:3: duration" in p.stderr
+    # A rerun has only the bad lines left, none of them opened: they fail again, logged and
+    # counted, not lost from the log with an exit 0 (the cron job's record of what failed).
+    p = run_cli(str(m), "--model", str(ref.nemo), "--out", str(out))
+    assert p.returncode == 3, p.stderr
+    assert "0 files transcribed, 2 failed, 2 already done" in p.stderr
+    rows = {r["audio_filepath"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert len(rows) == 4 and rows[f"{m.resolve()}:2"]["status"] == "error"
+    assert rows[str(ref.audio_path(1))]["status"] == "error"
 
 
 @needs_shared

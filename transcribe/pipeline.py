@@ -200,6 +200,9 @@ class _Job:
                         self._fail(fid, f.file.problem, pool)
                     else:
                         pool.submit(fid, str(f.file.path), f.file.span)
+                # Their error lines now: when every file left is such a line, the loop below
+                # never runs, and a failure not flushed would be neither logged nor counted.
+                self.outputs.flush()
                 while self.files:
                     # Take every piece that has arrived (full buckets run as they fill), then,
                     # the model being free, run the fullest bucket rather than wait for more:
