@@ -33,6 +33,10 @@ from engines.decode_modes import DecodeMode
 from engines.decode_stages import DecodeBuffers, Hypothesis, label_looping_decode
 
 SUPPORTED_TARGETS = ("EncDecRNNTBPEModel", "EncDecHybridRNNTCTCBPEModel")
+# The prediction network and joint we build (an LSTM stack; a joint over both projections).
+# NeMo's SampledRNNTJoint differs from RNNTJoint only in its training loss.
+DECODER_TARGETS = ("RNNTDecoder",)
+JOINT_TARGETS = ("RNNTJoint", "SampledRNNTJoint")
 _ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "silu": nn.SiLU, "swish": nn.SiLU}
 
 
@@ -85,6 +89,10 @@ class TransducerConfig:
         target = str(cfg.get("target", ""))
         _require(target.rsplit(".", 1)[-1] in SUPPORTED_TARGETS, "target", target,
                  f"transducer decoding needs one of {SUPPORTED_TARGETS}")
+        for part, known in (("decoder", DECODER_TARGETS), ("joint", JOINT_TARGETS)):
+            module = _get(cfg, f"{part}._target_", None)  # absent in hand-written configs: the keys below decide
+            _require(module is None or str(module).rsplit(".", 1)[-1] in known, f"{part}._target_", module,
+                     f"the {part} must be one of {known}")
         vocab = _get(cfg, "decoder.vocab_size")
         _require(isinstance(vocab, int) and vocab > 0, "decoder.vocab_size", vocab, "must be a positive int")
         _require(_get(cfg, "decoder.normalization_mode", None) is None, "decoder.normalization_mode",

@@ -197,6 +197,9 @@ def _config(variant: str) -> dict:
     ("decoding.big_blank_durations", ("decoding", "big_blank_durations"), [2, 4]),
     ("joint.num_classes", ("joint", "num_classes"), 127),
     ("target", ("target",), "nemo.collections.asr.models.EncDecMultiTaskModel"),
+    ("decoder._target_", ("decoder", "_target_"), "nemo.collections.asr.modules.StatelessTransducerDecoder"),
+    ("decoder._target_", ("decoder", "_target_"), "nemo.collections.asr.modules.ConvASRDecoder"),
+    ("joint._target_", ("joint", "_target_"), "nemo.collections.asr.modules.HATJoint"),
 ])
 def test_config_validation_names_key_and_value(key, path, value):
     cfg = _config("tdt_tiny")

@@ -319,6 +319,39 @@ def test_export_engine_onnx_only_matches_torch(tmp_path):
 
 
 @needs_shared
+def test_export_engine_says_why_it_cannot_load_a_model(tmp_path):
+    """An encoder we cannot build is a load error (exit 1), said before anything is exported;
+    with no model named it exports the default Parakeet, never the bundled whisper-base the
+    runs fall back to (it has no encoder to export), and its absence is the error."""
+    import io
+    import tarfile
+
+    import yaml
+
+    with tarfile.open(Reference("tdt_tiny").nemo) as src, tarfile.open(tmp_path / "sq.nemo", "w") as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read() if member.isfile() else None
+            if member.name.endswith("model_config.yaml"):
+                cfg = yaml.safe_load(data)
+                cfg["encoder"]["_target_"] = "nemo.collections.asr.modules.SqueezeformerEncoder"
+                data = yaml.safe_dump(cfg).encode()
+                member.size = len(data)
+            dst.addfile(member, None if data is None else io.BytesIO(data))
+    out = tmp_path / "e.onnx"
+    p = _cli("--model", str(tmp_path / "sq.nemo"), "--onnx-only", "--onnx", str(out))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "cannot load model: encoder._target_='nemo.collections.asr.modules.SqueezeformerEncoder'" in p.stderr
+    assert not out.exists()
+    env = {k: v for k, v in os.environ.items() if k != "TRANSCRIBE_MODEL"}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "empty_hub"))
+    p = subprocess.run([sys.executable, "-m", "transcribe.cli", "export-engine", "--onnx-only", "--onnx", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 1, p.stderr
+    assert "cannot load model: parakeet-tdt-0.6b-v2: not in the Hugging Face cache" in p.stderr
+    assert "whisper" not in p.stderr
+
+
+@needs_shared
 @pytest.mark.skipif(_has_tensorrt(), reason="tensorrt is installed here")
 def test_export_engine_without_tensorrt_exits_1_naming_the_extra(tmp_path):
     model = str(Reference("tdt_tiny").nemo)

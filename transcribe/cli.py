@@ -256,7 +256,8 @@ def serve(
 @sub_app.command("export-engine", help="Build the TensorRT encoder engine for a model ahead of time (cached where "
                  "`--encoder-backend tensorrt` looks), or with --onnx-only just write the encoder's ONNX.")
 def export_engine_cmd(
-    model: Optional[str] = MODEL,
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Registry name or path to a .nemo file (a "
+                                        "Parakeet model). Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2."),
     precision: str = typer.Option("fp16", "--precision", help="fp16, bf16 or fp32 (layer norms and softmax stay fp32)."),
     cache_arg: Optional[str] = typer.Option(None, "--cache-dir", metavar="<path>", help="Engine cache (default: $TRANSCRIBE_TRT_CACHE, else "
                                              "$XDG_CACHE_HOME/transcribe/trt, where runs look; runs find another "

@@ -9,6 +9,7 @@ exported encoder; `--onnx-only` stops there, which needs neither a GPU nor Tenso
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,9 +47,11 @@ class ExportRequest:
 
 def _nemo_path(model: str | None) -> Path:
     from engines.checkpoint import resolve_checkpoint
-    from engines.loader import choose_model, is_whisper
+    from engines.loader import DEFAULT_PARAKEET, is_whisper
 
-    name = choose_model(model)
+    # The runs' default order without its last resort: the bundled whisper-base has no encoder
+    # to export, so with no Parakeet cached or reachable the default one's own error says why.
+    name = model or os.environ.get("TRANSCRIBE_MODEL") or DEFAULT_PARAKEET
     if is_whisper(name):  # a model the command does not take: the user's to change, as --language for Parakeet
         raise ExportError(f"{name} is a Whisper model: export-engine builds Parakeet (.nemo) encoders only", EXIT_USAGE)
     return resolve_checkpoint(name)
@@ -72,6 +75,7 @@ def _tensorrt_ready() -> None:
 def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> int:
     """Run the export; returns the exit status (0 done). ExportError carries failures."""
     from engines.checkpoint import CheckpointError, NemoArchive
+    from engines.conformer import EncoderConfig
     from engines.encoder_tensorrt_build import ensure_engine, export_onnx
     from transcribe.features import FeatureConfig
 
@@ -81,6 +85,7 @@ def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> in
         nemo = _nemo_path(req.model)
         with NemoArchive(nemo) as archive:
             fcfg = FeatureConfig.from_nemo(archive.config["preprocessor"])
+            EncoderConfig.from_nemo(archive.config["encoder"])  # an encoder we cannot build fails here, not mid-export
     except (CheckpointError, ValueError, OSError) as e:
         raise ExportError(f"cannot load model: {e}") from e
     cache_dir = req.cache_dir or default_cache_dir()
