@@ -159,6 +159,8 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
     """
     p = Path(model).expanduser()
     if p.suffix == ".nemo" or p.exists():
+        if p.is_dir():  # an unpacked checkpoint, say: NeMo's (and our) checkpoints are the .nemo tar file
+            raise CheckpointError(f"{model}: a folder, not a .nemo checkpoint file")
         if not p.is_file():
             raise CheckpointError(f"{model}: no such checkpoint file")
         return p

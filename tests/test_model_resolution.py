@@ -51,6 +51,10 @@ def test_registry_name_resolves_from_a_prefilled_cache_offline(hf_cache):
         resolve_checkpoint("parakeet-tdt-0.6b-v3")
     with pytest.raises(CheckpointError, match="unknown model 'nope'.*parakeet-tdt-0.6b-v2.*whisper-base, whisper-base.en"):
         resolve_checkpoint("nope")
+    with pytest.raises(CheckpointError, match="no such checkpoint file"):
+        resolve_checkpoint(str(hf_cache / "gone.nemo"))
+    with pytest.raises(CheckpointError, match="a folder, not a .nemo checkpoint file"):
+        resolve_checkpoint(str(hf_cache))  # an unpacked checkpoint, or a typo
 
 
 @needs_shared
