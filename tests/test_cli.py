@@ -409,7 +409,18 @@ def test_merge_joins_shard_logs_preferring_ok_lines(tmp_path):
     assert sorted((Path(r["audio_filepath"]).name, r["status"]) for r in rows) == [
         ("x.wav", "ok"), ("y.wav", "ok"), ("z.wav", "ok")]
     log(tmp_path / "s3", [row("w.wav", "error")])
-    assert run_cli("merge", str(s1), str(tmp_path / "s3"), "--out", str(tmp_path / "all")).returncode == 3
+    # Merged again into the same folder: the lines already there stay (x, y, z: ok) under s3's.
+    p = run_cli("merge", str(tmp_path / "s3"), "--out", str(tmp_path / "all"))
+    assert p.returncode == 3 and "1 shards and the log already there" in p.stderr, p.stderr
+    rows = [json.loads(l) for l in (tmp_path / "all" / "results.jsonl").read_text().splitlines()]
+    assert sorted((Path(r["audio_filepath"]).name, r["status"]) for r in rows) == [
+        ("w.wav", "error"), ("x.wav", "ok"), ("y.wav", "ok"), ("z.wav", "ok")]
+    # Into a shard's own folder: its lines are kept once, whether listed or not.
+    for args in ((str(s2),), (str(s2), str(s1))):
+        assert run_cli("merge", *args, "--out", str(s1)).returncode == 0
+        rows = [json.loads(l) for l in (s1 / "results.jsonl").read_text().splitlines()]
+        assert sorted((Path(r["audio_filepath"]).name, r["status"]) for r in rows) == [
+            ("x.wav", "ok"), ("y.wav", "ok"), ("z.wav", "ok")], args
     assert run_cli("merge", str(tmp_path / "nothing"), "--out", str(tmp_path / "all")).returncode == 1
     assert run_cli("merge", "--out", str(tmp_path / "all")).returncode == 2
 

@@ -142,7 +142,8 @@ def bench(
 @sub_app.command(help="Join the results.jsonl of shard runs (`--shard I/N --out DIR_I`) into --out/results.jsonl.\n\n"
                  "Only results.jsonl is merged: each shard's transcript files stay in its own folder, and a "
                  "line's `outputs` name them relative to --out (`../DIR_1/talks/a.txt`). A file listed by "
-                 "several shards keeps one line (an ok line over an error line, else the last).")
+                 "several shards keeps one line (an ok line over an error line, else the last). A results.jsonl already in "
+                 "--out is merged in, before the shards.")
 def merge(
     shard_args: List[str] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),
     out_arg: str = typer.Option(..., "--out", "-o", metavar="<path>", help="Folder for the merged results.jsonl."),
@@ -164,17 +165,21 @@ def merge(
         raise fail("; ".join(f"{d} is still being written by a transcribe run" + (f" (pid {pid})" if pid else "")
                               for d, pid in running) + ": merge once it has finished", EXIT_NOTHING_RAN)
     out_folder(out)
-    try:
-        merged = merged_records(shard_dirs, out)
-    except OSError as e:  # a shard's log that cannot be read (permissions, an I/O error)
-        raise fail(f"cannot read {e.filename or 'a shard log'}: {e.strerror or e}", EXIT_NOTHING_RAN)
+    # A log already in --out (an earlier merge, or a run's own) is merged in first, the shards'
+    # lines over its own: replaced, its files would drop out of the record and be redone.
+    kept = (out / "results.jsonl").is_file() and out.resolve() not in {d.resolve() for d in shard_dirs}
     try:
         with out_dir_lock(out):  # not while a run writes there
+            try:
+                merged = merged_records([out, *shard_dirs] if kept else shard_dirs, out)
+            except OSError as e:  # a log that cannot be read (permissions, an I/O error)
+                raise fail(f"cannot read {e.filename or 'a shard log'}: {e.strerror or e}", EXIT_NOTHING_RAN)
             atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged))
     except OutputBusy as e:
         raise fail(f"{e}; wait for it to finish", EXIT_NOTHING_RAN)
     failed = sum(r.get("status") != "ok" for r in merged)
-    typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards, {failed} failed -> {out / 'results.jsonl'}", err=True)
+    typer.echo(f"{len(merged)} files from {len(shard_dirs)} shards{' and the log already there' if kept else ''}, "
+               f"{failed} failed -> {out / 'results.jsonl'}", err=True)
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
 
 
