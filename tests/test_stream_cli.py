@@ -143,3 +143,13 @@ def test_stream_prints_segments_partials_and_the_final_as_the_server_sends_them(
     stream_file(audio, str(NEMO_REF / "tdt_tiny" / "model.nemo"), echo=text_lines.append,
                 chunk_ms=2000, left_ms=4000, right_ms=500)
     assert [line.split("] ", 1)[0].split()[-1] for line in text_lines] == [m["type"] for m in msgs]
+
+
+def test_realtime_streaming_takes_as_long_as_the_audio_and_no_longer():
+    """--realtime feeds each piece once its audio would have been recorded; the last, shorter
+    piece as soon as its own audio is (it waited a whole piece: 5.4 s took 7.2 s in 7 s pieces)."""
+    from transcribe.streaming.cli_commands import stream_file
+
+    audio = SPEECH / "jfk" / "jfk.flac"  # 11.0 s: a 4 s piece, then 4 s, then 3 s
+    summary = stream_file(audio, MODEL, realtime=True, piece_ms=4000, echo=lambda line: None)
+    assert summary["audio_seconds"] - 0.05 <= summary["wall_seconds"] < summary["audio_seconds"] + 0.8, summary

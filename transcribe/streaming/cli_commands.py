@@ -85,7 +85,7 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
     while session.state == SessionState.ACTIVE:
         if pos < audio.shape[0]:
             if realtime:
-                time.sleep(max(t0 + (pos + piece) / sm.sample_rate - time.perf_counter(), 0.0))
+                time.sleep(max(t0 + min(pos + piece, audio.shape[0]) / sm.sample_rate - time.perf_counter(), 0.0))
             session.push_audio(audio[pos: pos + piece])
             pos += piece
             if pos >= audio.shape[0]:

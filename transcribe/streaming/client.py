@@ -85,10 +85,11 @@ async def _feed(run: ClientRun, send: Send, send_audio: SendAudio, audio: np.nda
     for i in range(0, audio.shape[0], piece):
         if run.error is not None:
             break
+        recorded = min(i + piece, audio.shape[0]) / sample_rate  # the last piece may be short
         if realtime:  # send piece k once its audio would have been recorded
-            await asyncio.sleep(max(t0 + (i + piece) / sample_rate - time.monotonic(), 0.0))
+            await asyncio.sleep(max(t0 + recorded - time.monotonic(), 0.0))
         await send_audio(audio[i: i + piece])
-        run.sent.append((time.monotonic(), min(i + piece, audio.shape[0]) / sample_rate))
+        run.sent.append((time.monotonic(), recorded))
     await send({"type": "end"})
     run.end_time = time.monotonic()
 

@@ -86,8 +86,8 @@ def parse_json(line: bytes | str) -> dict[str, Any]:
     """One message -> its JSON object; ProtocolError(bad_message) for anything else."""
     try:
         msg = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError("bad_message", f"message is not JSON: {e}") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer over Python's 4,300 digits
+        raise ProtocolError("bad_message", f"message is not JSON the server reads: {e}") from None
     except RecursionError:  # "[[[[...": a 4 MB line nests far deeper than the parser recurses
         raise ProtocolError("bad_message", "message is not JSON the server reads: nested too deeply") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
@@ -101,6 +101,10 @@ def parse_hello(msg: dict[str, Any], expected_rate: int) -> Hello:
     sid, rate, fmt = msg.get("stream_id"), msg.get("sample_rate"), msg.get("format", "pcm16")
     if not isinstance(sid, str) or not 0 < len(sid) <= 128:
         raise ProtocolError("bad_message", "hello needs a stream_id string of 1-128 characters")
+    if not sid.isprintable() or any(0xD800 <= ord(ch) <= 0xDFFF for ch in sid):
+        # Every reply names the stream: an id no UTF-8 reply can carry ("\ud800") left the
+        # stream without a word, and a control character would garble the server's log.
+        raise ProtocolError("bad_message", "stream_id must be printable Unicode text")
     if not isinstance(rate, int) or isinstance(rate, bool):
         raise ProtocolError("bad_message", "hello needs an integer sample_rate")
     if rate != expected_rate:

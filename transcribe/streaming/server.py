@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # websockets is imported only when a WebSocket port is served
     from websockets.asyncio.server import Server as WsServer, ServerConnection
 
 log = logging.getLogger(__name__)
+READ_BYTES = 1 << 16  # one TCP read: a few 100 ms audio messages
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ Incoming = dict[str, Any] | bytes  # a parsed JSON message, or a binary frame of
 
 
 class _Transport(Protocol):
-    """One connection's framing. recv/send raise ConnectionError once the peer is gone."""
+    """One connection's framing. recv/send raise ConnectionError once the peer is gone.
+    `received_at`: when the client's last bytes arrived (monotonic), for the idle timeout."""
+
+    received_at: float
 
     async def recv(self) -> Incoming: ...
     async def send(self, msg: dict) -> None: ...
@@ -70,16 +74,32 @@ class _Transport(Protocol):
 
 
 class _TcpTransport:
+    """Lines are cut from our own buffer, not by `StreamReader.readline`, so that every read
+    stamps `received_at`: a client uploading one big message over a slow link is not idle
+    (readline gave no sign of life until the line was whole, and the idle timeout dropped it)."""
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        self.buf, self.received_at = bytearray(), time.monotonic()
 
     async def recv(self) -> Incoming:
-        try:
-            line = await self.reader.readline()
-        except ValueError as e:  # StreamReader: line over the limit
-            raise P.ProtocolError("bad_message", f"message too long: {e}") from None
-        if not line:
-            raise ConnectionResetError("client closed the connection")
+        start = 0  # the buffer before it has no newline
+        while (end := self.buf.find(b"\n", start)) < 0:
+            if len(self.buf) > P.MAX_LINE_BYTES:
+                raise P.ProtocolError("bad_message", f"message too long: no newline in {P.MAX_LINE_BYTES} bytes")
+            start = len(self.buf)
+            data = await self.reader.read(READ_BYTES)  # cancelled (idle timeout): nothing lost, all is in buffers
+            if not data:  # the client closed its side: a last line without a newline still counts
+                if not self.buf:
+                    raise ConnectionResetError("client closed the connection")
+                end = len(self.buf) - 1
+                break
+            self.received_at = time.monotonic()
+            self.buf += data
+        if end >= P.MAX_LINE_BYTES:
+            raise P.ProtocolError("bad_message", f"message too long: no newline in {P.MAX_LINE_BYTES} bytes")
+        line = bytes(self.buf[: end + 1])
+        del self.buf[: end + 1]
         return P.parse_json(line)
 
     async def send(self, msg: dict) -> None:
@@ -102,12 +122,14 @@ class _WsTransport:
         from websockets.exceptions import ConnectionClosed
 
         self.ws, self._closed = ws, ConnectionClosed
+        self.received_at = time.monotonic()  # per whole message: websockets shows no bytes before (at most 4 MB)
 
     async def recv(self) -> Incoming:
         try:
             frame = await self.ws.recv()  # cancelling recv (idle timeout) loses no data
         except self._closed as e:
             raise ConnectionResetError(f"client closed the WebSocket: {e}") from None
+        self.received_at = time.monotonic()
         return frame if isinstance(frame, bytes) else P.parse_json(frame)
 
     async def send(self, msg: dict) -> None:
@@ -308,14 +330,15 @@ class StreamServer:
 
     async def _recv(self, client: _Client) -> Incoming:
         return await self._unless_late(client, client.transport.recv(), self.cfg.idle_timeout_s,
-                                       f"nothing received for {self.cfg.idle_timeout_s} s")
+                                       f"nothing received for {self.cfg.idle_timeout_s} s", reading=True)
 
     @staticmethod
-    async def _unless_late(client: _Client, awaitable, timeout_s: float, message: str):
+    async def _unless_late(client: _Client, awaitable, timeout_s: float, message: str, reading: bool = False):
         """`awaitable`'s result, or a "timeout" error after `timeout_s` during which the client
         held a slot (or had not said hello): a stream queued for a slot waits as long as the
         queue takes, as the server is the one keeping it (a disconnect still ends a read), and
-        has the whole `timeout_s` from the moment it got its slot. _Ended once the server ends
+        has the whole `timeout_s` from the moment it got its slot. `reading`: the timeout counts
+        from the last bytes received, part of a message or not. _Ended once the server ends
         the stream (a read would otherwise wait for a client that was told to go)."""
         task, ended = asyncio.ensure_future(awaitable), asyncio.ensure_future(client.ended.wait())
         try:
@@ -332,6 +355,8 @@ class StreamServer:
                     deadline = now + timeout_s
                 elif session is not None and session.admitted_at is not None and session.admitted_at + timeout_s > now:
                     deadline = session.admitted_at + timeout_s  # admitted during this window
+                elif reading and client.transport.received_at + timeout_s > now:
+                    deadline = client.transport.received_at + timeout_s  # a message still arriving
                 else:
                     raise P.ProtocolError("timeout", message)
         finally:
@@ -349,6 +374,9 @@ class StreamServer:
         except asyncio.TimeoutError:
             log.warning("dropping slow client %s: a send blocked for %s s",
                         client.session and client.session.stream_id, self.cfg.send_timeout_s)
+            self._drop(client)
+        except Exception:  # a message that cannot be sent: the stream ends, said in the log, not silently
+            log.exception("dropping client %s: a send failed", client.session and client.session.stream_id)
             self._drop(client)
 
     def _send(self, client: _Client, msg: dict) -> None:
@@ -394,6 +422,8 @@ class StreamServer:
 
     def _notify_admitted(self) -> None:
         sessions = self.scheduler.take_admitted()
+        if self._stopping:  # a queued stream given the slot of one stop() just ended: "shutdown" is its news
+            return
         for s in sessions:
             client = self._client_of(s)
             if client is not None:
