@@ -655,3 +655,36 @@ def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code, force):
     assert ("run it again without --force to resume" if force else "run the same command again to resume") in stderr
     assert all(r["status"] == "ok" for r in _rows(out))
     _assert_clean(out, pids)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed ^C itself
+def test_a_sigint_whose_exception_was_swallowed_still_stops_the_job(tmp_path):
+    """A ^C whose KeyboardInterrupt lands in a __del__ is only printed by Python ("Exception
+    ignored"): a run whose model load met one went on to the end and exited 0. The signal is
+    remembered all the same: the job stops at its start (Interrupted, nothing written), and
+    the next job in the process, the ^C said, runs whole."""
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 2)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+
+    class SwallowsItsInterrupt:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # the handler runs here; its KeyboardInterrupt dies with __del__
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        pipeline.remember_sigint()  # as a transcribing command does first
+        SwallowsItsInterrupt().__class__  # made and dropped at once
+        with pytest.raises(pipeline.Interrupted):
+            pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1)
+        assert _rows(out) == [] and not list(out.glob("*.txt"))
+        stats = pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1)
+        assert stats.files_ok == 2
+    finally:
+        signal.signal(signal.SIGINT, before)
+    _assert_clean(out)

@@ -38,6 +38,8 @@ def test_json_output_has_segments_and_words(tmp_path):
 def test_parse_formats():
     assert parse_formats("txt, SRT") == ["txt", "srt"]
     assert parse_formats("all") == ["txt", "json", "srt", "vtt"]
+    assert parse_formats("srt,ALL,txt") == ["txt", "json", "srt", "vtt"]  # was "unknown format(s) ['all']"
+    assert parse_formats("vtt,txt,vtt") == ["vtt", "txt"]
     with pytest.raises(ValueError, match="docx"):
         parse_formats("txt,docx")
 

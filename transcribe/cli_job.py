@@ -38,7 +38,9 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     from engines.encoder_backend import BACKENDS
     from engines.encoder_backend import BackendOptions
     from transcribe.audio_frontend import FEATURES_ON
+    from transcribe.pipeline import remember_sigint
 
+    remember_sigint()
     check_choice("--encoder-backend", encoder_backend, BACKENDS)
     check_choice("--decoder-mode", decoder_mode, (m.value for m in DecodeMode))
     check_choice("--features-on", features_on, FEATURES_ON)

@@ -57,6 +57,31 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
+# The SIGINT / SIGTERM received, besides the exception its handler raises: a raise that lands in
+# a __del__ or a weakref callback is printed as "Exception ignored" and swallowed (a ^C during
+# the model's load was lost so once in ~80 tries, and that run went on to the end and exited
+# 0). The job checks this on entry and between batches, so a lost ^C still stops it.
+_received: list[int] = []
+
+
+def remember_sigint() -> None:
+    """From a command's start (main thread): ^C raises KeyboardInterrupt, as Python's default
+    handler does, and is remembered for the job."""
+    if threading.current_thread() is threading.main_thread():
+        _received.clear()
+        signal.signal(signal.SIGINT, _sigint_before_the_job)
+
+
+def _sigint_before_the_job(signum, frame) -> None:
+    _received.append(signum)
+    signal.default_int_handler(signum, frame)
+
+
+def _stop_if_signalled() -> None:
+    if _received:
+        raise Interrupted(_received[-1])
+
+
 @dataclass
 class RunStats:
     files_ok: int = 0
@@ -131,12 +156,15 @@ def _signals_raise() -> Iterator[None]:
         return
 
     def handler(signum, frame):
+        _received.append(signum)
         raise Interrupted(signum)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        _stop_if_signalled()  # one whose raise was lost before the job began
         yield
     finally:
+        _received.clear()  # said: a later job in this process starts afresh
         for s, h in old.items():
             signal.signal(s, h)
 
@@ -204,6 +232,7 @@ class _Job:
                 # never runs, and a failure not flushed would be neither logged nor counted.
                 self.outputs.flush()
                 while self.files:
+                    _stop_if_signalled()  # one whose Interrupted was lost (see _received)
                     # Take every piece that has arrived (full buckets run as they fill), then,
                     # the model being free, run the fullest bucket rather than wait for more:
                     # pieces arriving meanwhile make the next batch, so batches grow exactly

@@ -79,14 +79,13 @@ def needs_words(formats: list[str]) -> bool:
 
 
 def parse_formats(spec: str) -> list[str]:
-    """`txt,json` -> ["txt", "json"]; `all` -> every format. Unknown names raise ValueError."""
-    names = [s.strip().lower() for s in spec.split(",") if s.strip()]
-    if names == ["all"]:
-        return list(WRITERS)
-    bad = [n for n in names if n not in WRITERS]
+    """`txt,json` -> ["txt", "json"]; `all` (alone or in a list) -> every format; each once.
+    Unknown names raise ValueError."""
+    names = list(dict.fromkeys(s.strip().lower() for s in spec.split(",") if s.strip()))
+    bad = [n for n in names if n not in WRITERS and n != "all"]
     if bad or not names:
         raise ValueError(f"--format {spec!r}: unknown format(s) {bad}; choose from {', '.join(WRITERS)} or all")
-    return names
+    return list(WRITERS) if "all" in names else names
 
 
 def _umask() -> int:
