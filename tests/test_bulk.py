@@ -688,3 +688,29 @@ def test_a_sigint_whose_exception_was_swallowed_still_stops_the_job(tmp_path):
     finally:
         signal.signal(signal.SIGINT, before)
     _assert_clean(out)
+
+
+def test_a_sigint_while_the_model_loads_ends_the_command_with_130_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """torch's reader turns a ^C in the middle of torch.load into an AttributeError: the
+    command printed that traceback and exited 1. It exits 130 saying nothing was transcribed."""
+    import typer
+
+    import engines.loader as loader
+    from transcribe.cli_job import prepare
+
+    def load_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            time.sleep(1.0)
+        except KeyboardInterrupt:  # what torch.load makes of it
+            raise AttributeError("'ExFileObject' object has no attribute 'read'") from None
+
+    monkeypatch.setattr(loader, "load_engine", load_interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(typer.Exit) as stopped:
+            prepare([str(SPEECH / "jfk" / "jfk.flac")], "any.nemo", "cpu", None, 1)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stopped.value.exit_code == 130
+    assert "interrupted by SIGINT while the model loaded: nothing was transcribed" in capsys.readouterr().err

@@ -38,7 +38,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     from engines.encoder_backend import BACKENDS
     from engines.encoder_backend import BackendOptions
     from transcribe.audio_frontend import FEATURES_ON
-    from transcribe.pipeline import remember_sigint
+    from transcribe.pipeline import Interrupted, remember_sigint, stop_if_signalled
 
     remember_sigint()
     check_choice("--encoder-backend", encoder_backend, BACKENDS)
@@ -79,8 +79,18 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     spares = Prespawned(workers or default_workers())
     engine = None
     try:
-        engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
-                             word_timestamps=words, language=language, task=task, prompt=prompt)
+        try:
+            engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
+                                 word_timestamps=words, language=language, task=task, prompt=prompt)
+        except BaseException:
+            # A ^C while the weights load: torch's reader turns its KeyboardInterrupt into an
+            # AttributeError ('ExFileObject' object has no attribute 'read'), a traceback and
+            # exit 1. It ends the command as a ^C during the job does.
+            stop_if_signalled()
+            raise
+    except Interrupted as e:
+        typer.echo(f"interrupted by {e} while the model loaded: nothing was transcribed", err=True)
+        raise typer.Exit(128 + e.signum)
     except OptionError as e:  # an option this model does not take (--language for Parakeet)
         raise fail(str(e), EXIT_USAGE)
     except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package

@@ -77,7 +77,8 @@ def _sigint_before_the_job(signum, frame) -> None:
     signal.default_int_handler(signum, frame)
 
 
-def _stop_if_signalled() -> None:
+def stop_if_signalled() -> None:
+    """Raise Interrupted if a SIGINT / SIGTERM came (since `remember_sigint`), said or not."""
     if _received:
         raise Interrupted(_received[-1])
 
@@ -161,7 +162,7 @@ def _signals_raise() -> Iterator[None]:
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _stop_if_signalled()  # one whose raise was lost before the job began
+        stop_if_signalled()  # one whose raise was lost before the job began
         yield
     finally:
         _received.clear()  # said: a later job in this process starts afresh
@@ -232,7 +233,7 @@ class _Job:
                 # never runs, and a failure not flushed would be neither logged nor counted.
                 self.outputs.flush()
                 while self.files:
-                    _stop_if_signalled()  # one whose Interrupted was lost (see _received)
+                    stop_if_signalled()  # one whose Interrupted was lost (see _received)
                     # Take every piece that has arrived (full buckets run as they fill), then,
                     # the model being free, run the fullest bucket rather than wait for more:
                     # pieces arriving meanwhile make the next batch, so batches grow exactly
