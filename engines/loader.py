@@ -40,13 +40,17 @@ def is_whisper(name: str) -> bool:
     return name in WHISPER_NAMES or is_whisper_path(name) or (entry is not None and entry.family == "whisper")
 
 
-def choose_model(model: str | None) -> str:
-    """The model name or path to use, following the documented order."""
+def choose_model(model: str | None, bundled: bool = True) -> str:
+    """The model name or path to use, following the documented order. `bundled=False`: a
+    command that takes Parakeet models only (export-engine) ends the order at the default
+    Parakeet, whose own error then says why it cannot be had, never at the bundled Whisper."""
     if model:
         return model
     env = os.environ.get("TRANSCRIBE_MODEL")
     if env:
         return env
+    if not bundled:
+        return DEFAULT_PARAKEET
     try:
         resolve_checkpoint(DEFAULT_PARAKEET, offline=True)
         return DEFAULT_PARAKEET

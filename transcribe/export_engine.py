@@ -9,7 +9,6 @@ exported encoder; `--onnx-only` stops there, which needs neither a GPU nor Tenso
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -47,11 +46,9 @@ class ExportRequest:
 
 def _nemo_path(model: str | None) -> Path:
     from engines.checkpoint import resolve_checkpoint
-    from engines.loader import DEFAULT_PARAKEET, is_whisper
+    from engines.loader import choose_model, is_whisper
 
-    # The runs' default order without its last resort: the bundled whisper-base has no encoder
-    # to export, so with no Parakeet cached or reachable the default one's own error says why.
-    name = model or os.environ.get("TRANSCRIBE_MODEL") or DEFAULT_PARAKEET
+    name = choose_model(model, bundled=False)  # the bundled whisper-base has no encoder to export
     if is_whisper(name):  # a model the command does not take: the user's to change, as --language for Parakeet
         raise ExportError(f"{name} is a Whisper model: export-engine builds Parakeet (.nemo) encoders only", EXIT_USAGE)
     return resolve_checkpoint(name)

@@ -101,9 +101,10 @@ def parse_hello(msg: dict[str, Any], expected_rate: int) -> Hello:
     sid, rate, fmt = msg.get("stream_id"), msg.get("sample_rate"), msg.get("format", "pcm16")
     if not isinstance(sid, str) or not 0 < len(sid) <= 128:
         raise ProtocolError("bad_message", "hello needs a stream_id string of 1-128 characters")
-    if not sid.isprintable() or any(0xD800 <= ord(ch) <= 0xDFFF for ch in sid):
-        # Every reply names the stream: an id no UTF-8 reply can carry ("\ud800") left the
-        # stream without a word, and a control character would garble the server's log.
+    if not sid.isprintable():
+        # Every reply names the stream: an id no UTF-8 reply can carry (a lone surrogate,
+        # "\ud800", which is not printable) left the stream without a word, and a control
+        # character would garble the server's log.
         raise ProtocolError("bad_message", "stream_id must be printable Unicode text")
     if not isinstance(rate, int) or isinstance(rate, bool):
         raise ProtocolError("bad_message", "hello needs an integer sample_rate")

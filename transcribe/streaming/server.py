@@ -84,9 +84,8 @@ class _TcpTransport:
 
     async def recv(self) -> Incoming:
         start = 0  # the buffer before it has no newline
-        while (end := self.buf.find(b"\n", start)) < 0:
-            if len(self.buf) > P.MAX_LINE_BYTES:
-                raise P.ProtocolError("bad_message", f"message too long: no newline in {P.MAX_LINE_BYTES} bytes")
+        # Read until a newline, or until the buffer holds a whole message's worth without one.
+        while (end := self.buf.find(b"\n", start)) < 0 and len(self.buf) < P.MAX_LINE_BYTES:
             start = len(self.buf)
             data = await self.reader.read(READ_BYTES)  # cancelled (idle timeout): nothing lost, all is in buffers
             if not data:  # the client closed its side: a last line without a newline still counts
@@ -96,7 +95,7 @@ class _TcpTransport:
                 break
             self.received_at = time.monotonic()
             self.buf += data
-        if end >= P.MAX_LINE_BYTES:
+        if not 0 <= end < P.MAX_LINE_BYTES:
             raise P.ProtocolError("bad_message", f"message too long: no newline in {P.MAX_LINE_BYTES} bytes")
         line = bytes(self.buf[: end + 1])
         del self.buf[: end + 1]
