@@ -1,8 +1,8 @@
 # GPU image: CUDA runtime, PyTorch with CUDA, this package with the ONNX, cuda-python and av (PyAV: m4a, mp4, webm, ...) extras.
 # TensorRT is optional: build FROM an nvcr.io TensorRT image instead, or `pip install '.[tensorrt]'`
 # where its libraries can be fetched.
-# Run with room in /dev/shm (Docker's default is 64 MB; the workers hand features over through it):
-#   docker run --gpus all --shm-size=1g -v $PWD:/data -v hf:/cache IMAGE /data/audio --out /data/out
+# Run (the workers' shared memory is anonymous: Docker's 64 MB /dev/shm is enough, no --shm-size):
+#   docker run --gpus all -v $PWD:/data -v hf:/cache IMAGE /data/audio --out /data/out
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \

@@ -213,9 +213,7 @@ class _Job:
     def _run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
              prespawned: Prespawned | None) -> None:
         frontend = self.engine.frontend
-        # Fewer slots where /dev/shm is small (smaller batches), down to a batch of 1 per worker.
-        with Slab.create(slab_slots(frontend, n_workers), frontend.n_mels * frontend.max_frames,
-                         min_slots=2 * n_workers + 1) as slab, \
+        with Slab.create(slab_slots(frontend, n_workers), frontend.n_mels * frontend.max_frames) as slab, \
                 WorkerPool(frontend, slab, n_workers, timeout, prespawned) as pool:
             max_items = slab.spec.n_slots - n_workers  # a full batch can wait while each worker fills a slot
             batcher: Batcher[Piece] = Batcher(self.engine.bucket_edges_s, batch_seconds, max_items)

@@ -3,7 +3,8 @@
 The file is streamed (`transcribe/decode.py`: soundfile blocks or PyAV, downmix, soxr), cut at
 pauses (`segmenting.PieceCutter`), and each piece's features (the engine's `frontend`) are
 written into a slot the main process granted; a `Piece` descriptor goes back over the pipe.
-Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, then
+Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, followed
+by the slab's descriptor (`Slab.share`: SCM_RIGHTS over the pipe's socket), then
 ("file", fid, path, span: (start s, length s) of a segment or None), ("slot", slot), ("stop",);
 (worker -> main): ("ready",) once, then per file ("start", fid, header seconds bounded by the file's size), ("slot?",), ("piece", Piece),
 ("done", fid, n_pieces, samples, stage seconds), ("error", fid, reason, stage seconds).
@@ -64,7 +65,7 @@ def worker_boot(conn) -> None:
 
 
 def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
-    slab = Slab.attach(spec)
+    slab = Slab.attach(spec, conn)  # its descriptor follows the "attach" message
     frontend = pickle.loads(frontend_bytes)
     frontend(np.zeros(frontend.sample_rate, np.float32))  # build the module now, not on file one
     gc.freeze()

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from transcribe.inputs import InputFile, record_key
-from transcribe.shm import sweep_stale
 from transcribe.writers import TEMP_MARK, atomic_write_text, read_results, results_line
 
 # writers.StagedWrites' temporary names only: a look-alike (`.notes.abcd1234.tmp`) is the user's.
@@ -153,8 +152,8 @@ def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:
 
 
 def sweep_leftovers(out_dir: Path) -> None:
-    """Remove what a killed run left: temporary outputs in `out_dir`, segments of dead runs."""
-    sweep_stale()
+    """Remove what a killed run left: its temporary outputs in `out_dir` (its shared memory had
+    no name, so the kernel freed it with the last process: `transcribe/shm.py`)."""
     if out_dir.is_dir():
         for p in out_dir.rglob(".*.tmp"):
             if _TEMP_OUTPUT.match(p.name):

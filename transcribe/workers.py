@@ -27,7 +27,7 @@ from multiprocessing import get_context
 from multiprocessing.connection import wait
 
 from transcribe.preprocess import Piece, worker_boot
-from transcribe.shm import Slab, SlabSpec
+from transcribe.shm import Slab
 
 __all__ = ["FileTimeout", "Piece", "Prespawned", "WorkerPool", "WorkerStartError", "default_workers"]
 
@@ -121,7 +121,7 @@ class WorkerPool:
             raise ValueError(f"need at least one worker, got {n_workers}")
         self._ctx = get_context("spawn")
         self._frontend = pickle.dumps(frontend)  # plain pickle: no torch shared-memory tensors
-        self._spec: SlabSpec = slab.spec
+        self._slab = slab
         self.timeout = timeout
         self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.stage_seconds: dict[str, float] = defaultdict(float)
@@ -143,7 +143,11 @@ class WorkerPool:
         spare = self._prespawned.take() if self._prespawned is not None else None
         p, conn, started = spare if spare is not None else _spawn(self._ctx)
         w = _Worker(p, conn, started)
-        self._send(w, ("attach", self._spec, self._frontend))  # a dead one is replaced on EOF
+        self._send(w, ("attach", self._slab.spec, self._frontend))  # a dead one is replaced on EOF
+        try:
+            self._slab.share(w.conn)  # the slab's descriptor, right behind the message
+        except OSError:
+            pass  # as in _send
         return w
 
     # -- called from the pipeline's thread ----------------------------------------------------
