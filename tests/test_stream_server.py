@@ -616,3 +616,34 @@ def test_a_stream_whose_own_chunking_raises_fails_alone(model, files, monkeypatc
     with pytest.raises(ZeroDivisionError):
         sched.run_once()
     assert session.state == SessionState.FAILED and sched.pool.free_slots == 1
+
+
+def test_a_message_that_cannot_be_sent_ends_its_stream_in_the_log_not_the_server(model, files, monkeypatch,
+                                                                                  caplog):
+    """A message the transport fails on with anything but a lost connection or a timeout (here
+    a TypeError, as an unserialisable field would give) drops that client with its traceback
+    in the log; the stream beside it ends well and every slot is freed."""
+    import logging
+
+    from transcribe.streaming import server as S
+
+    send = S._TcpTransport.send
+
+    async def failing_for_bad(self, msg):
+        if msg.get("stream_id") == "bad" and msg["type"] == "partial":
+            raise TypeError("Object of type set is not JSON serializable")
+        await send(self, msg)
+
+    monkeypatch.setattr(S._TcpTransport, "send", failing_for_bad)
+    audio = files[2]["samples"]
+
+    async def scenario(server, host, port):
+        return await asyncio.gather(stream_audio(host, port, "bad", audio, piece_s=0.25, realtime=False),
+                                    stream_audio(host, port, "good", audio, piece_s=0.25, realtime=False))
+
+    with caplog.at_level(logging.INFO, logger=S.log.name):
+        bad, good = _run(model, ServerConfig(port=0, max_streams=2, final_timeout_s=3.0), scenario)
+    assert bad.final is None and not any(m["type"] == "partial" for m in bad.messages), bad.messages
+    assert good.error is None and good.final["text"] == files[2]["offline_text"]
+    dropped = [r for r in caplog.records if r.getMessage() == "dropping client bad: a send failed"]
+    assert dropped and "TypeError: Object of type set" in caplog.text, caplog.text
