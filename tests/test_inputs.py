@@ -228,6 +228,27 @@ def test_duplicates_are_listed_once(tmp_path):
     assert len(discover([str(a), str(tmp_path)])) == 1
 
 
+def test_a_repeated_input_keeps_its_manifest_reference_and_a_second_text_fails_under_its_line(tmp_path):
+    """The first mention of a file is the one transcribed: a folder naming it before a manifest
+    must not drop the manifest's `text` (WER would skip the file, saying nothing); a line giving
+    a file a second, different text fails under that line; a plain repeat is dropped."""
+    a, b = _touch(tmp_path / "d" / "a.wav"), _touch(tmp_path / "d" / "b.wav")
+    m = tmp_path / "m.jsonl"
+    m.write_text("\n".join(json.dumps(r) for r in [
+        {"audio_filepath": "d/a.wav", "text": "A ONE"},
+        {"audio_filepath": "d/b.wav"},
+        {"audio_filepath": "d/a.wav", "text": "A ONE"},
+        {"audio_filepath": "d/a.wav", "text": "A TWO"},
+    ]) + "\n")
+    for order in ([str(tmp_path / "d"), str(m)], [str(m), str(tmp_path / "d")], [str(a), str(m)]):
+        got = {str(f.key): f for f in discover(order)}
+        assert got[str(a)].reference == "A ONE" and got[str(a)].problem is None, order
+        assert got[str(b)].reference is None and got[str(b)].problem is None
+        assert set(got) == {str(a), str(b), f"{m}:4"}, order
+        assert got[f"{m}:4"].problem == f"{m}:4: names {a} again, with a different `text` (the reference " \
+                                        f"of its first mention is used)"
+
+
 def test_shards_partition_the_inputs(tmp_path):
     for i in range(10):
         _touch(tmp_path / f"{i}.wav")

@@ -35,6 +35,8 @@ class InputFile:
     has named all the inputs (`output_stems`).
     offset: a segment of the file, from `offset` s for `duration` s (to its end when None):
     NeMo manifests cut long recordings so. None: the whole file.
+    line: `MANIFEST:LINE` of an input a manifest names, to fail it under when its line is at odds
+    with another input's.
     """
 
     path: Path
@@ -44,6 +46,7 @@ class InputFile:
     problem: str | None = None
     stem: Path | None = None
     offset: float | None = None
+    line: Path | None = None
 
     @property
     def key(self) -> Path:
@@ -106,12 +109,34 @@ def discover(inputs: list[str]) -> list[InputFile]:
         roots.extend([n if kind == "dir" else None] * (len(found) - before))
     if missing and len(missing) == len(found):  # nothing at all to transcribe (a glob that matched nothing)
         raise InputError(f"{', '.join(missing)}: no such file or directory")
+    found = _one_reference_each(found)
     seen: set[Path] = set()
     first = [i for i, f in enumerate(found) if not (f.key in seen or seen.add(f.key))]
     unique = _distinct_rels([found[i] for i in first], [roots[i] for i in first])
     # Output names pinned over all the inputs, before any --shard takes its part of them.
     stems = output_stems(unique)
     return [replace(f, stem=stems[f.key]) for f in unique]
+
+
+def _one_reference_each(found: list[InputFile]) -> list[InputFile]:
+    """Inputs named twice are transcribed once (the first), so the reference WER is scored
+    against must not go with the one dropped: a file named by a folder (or a bare argument)
+    before a manifest line gives it a `text` takes that text, and a manifest line giving an
+    input a second, different text fails under its own line instead of being dropped unseen
+    (the first text is scored)."""
+    out, first = list(found), {}
+    for i, f in enumerate(found):
+        j = first.setdefault(f.key, i)
+        if j == i or f.reference is None or f.reference == out[j].reference:
+            continue  # the first of its kind, or a plain repeat
+        if out[j].reference is None:
+            out[j] = replace(out[j], reference=f.reference)
+        else:
+            assert f.line is not None  # only a manifest line gives a reference
+            out[i] = replace(f, path=f.line, rel=Path(f.line.name), offset=None,
+                             problem=f"{f.line}: names {_key(f.path, f.offset)} again, with a different "
+                                     f"`text` (the reference of its first mention is used)")
+    return out
 
 
 def _distinct_rels(files: list[InputFile], roots: list[int | None]) -> list[InputFile]:
@@ -241,7 +266,7 @@ def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
     if offset is not None and not (type(offset) in (int, float) and math.isfinite(offset) and offset >= 0):
         return broken(f"offset {offset!r} is not a number of seconds", full)
     return InputFile(full, rel, text, float(dur) if dur is not None else None,
-                     offset=float(offset) if offset is not None else None)
+                     offset=float(offset) if offset is not None else None, line=where)
 
 
 def output_stems(files: list[InputFile]) -> dict[Path, Path]:
