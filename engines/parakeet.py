@@ -28,6 +28,7 @@ from engines.stage_times import StageTimes
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerDecoder
 from transcribe.audio_frontend import AudioFrontend, resolve_features_on
+from transcribe.engine_api import checked_pieces
 from transcribe.features import FeatureConfig, LogMel
 from transcribe.results import Result
 from transcribe.timestamps import FrameTiming, build_result
@@ -47,6 +48,7 @@ CPU_BLOCK_SECONDS = 60.0
 # the engine's bucket_edges_s is read back from the backend (engines/encoder_backend.py).
 BUCKET_EDGES_S = DEFAULT_EDGES_S
 CTC_ONLY_TARGETS = ("EncDecCTCModelBPE", "EncDecCTCModel")
+DECODINGS = ("auto", "ctc")  # from_nemo's `decoding`: the transducer where there is one, or the CTC head
 
 
 def pick_device(device: str) -> str:
@@ -171,6 +173,8 @@ class ParakeetEngine:
         float32, bfloat16 (CPUs with bf16 in hardware, CUDA >= sm80) or float16 (CUDA)
         (engines/precision.py); with the tensorrt backend an explicit dtype also sets the
         engine's precision."""
+        if decoding not in DECODINGS:
+            raise ValueError(f"decoding must be one of {', '.join(DECODINGS)}, got {decoding!r}")
         device = pick_device(device)
         DecodeMode(decoder_mode)  # a bad name fails before the load
         resolve_features_on(features_on)  # a bad name fails before the load
@@ -270,6 +274,9 @@ class ParakeetEngine:
     @torch.inference_mode()
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
         """A batch of float32 mono pieces at `sample_rate` -> one Result per piece."""
+        pieces = checked_pieces(pieces)
+        if not pieces:
+            return []
         t = time.perf_counter()
         features = [torch.from_numpy(self.frontend(p)) for p in pieces]
         self.stage_seconds.lap("features", t)

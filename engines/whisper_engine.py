@@ -29,6 +29,7 @@ from engines.decode_modes import DecodeMode
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder, WindowResult
 from engines.whisper_languages import language_code
 from engines.whisper_words import split_segments
+from transcribe.engine_api import checked_pieces
 from transcribe.results import Result, Segment, Word
 from transcribe.stitching import shift
 from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, FeatureConfig,
@@ -265,7 +266,7 @@ class WhisperEngine:
         self.decoder.reserve(min(max_items, self.batch_size))
 
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]:
-        return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in pieces])
+        return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in checked_pieces(pieces)])
 
     def transcribe_features(self, features: list[torch.Tensor], languages: list[str | None] | None = None,
                             continuations: int = CONTINUATIONS, tails: bool = False) -> list[Result]:

@@ -105,3 +105,37 @@ def test_a_batch_built_in_the_reused_host_buffer_holds_its_pieces_and_the_pad_va
     x, lengths = engine._batch(audio)
     assert x.shape == (2, 1, 1600) and lengths.tolist() == [900, 1600]
     assert torch.equal(x[0, :, :900], audio[0]) and (x[0, :, 900:] == 0).all() and torch.equal(x[1], audio[1])
+
+
+def test_the_python_api_refuses_audio_it_would_misread_naming_the_piece(engine_and_ref):
+    """`transcribe` takes mono float samples: NaN (which spreads over the batch), integer PCM
+    (read 32768 times too loud) or a [channels, T] array raise ValueError naming the piece,
+    before any work; an empty list is an empty answer; a float64 piece is taken as float32."""
+    import numpy as np
+
+    engine, ref = engine_and_ref
+    audio = load_audio(ref.audio_path(0), 16000)
+    bad = {"NaN or infinite": np.where(np.arange(audio.size) == 7, np.nan, audio).astype(np.float32),
+           "int16": (audio * 32767).astype(np.int16),
+           r"mono samples \[T\], got shape \(2,": np.stack([audio, audio])}
+    for why, piece in bad.items():
+        with pytest.raises(ValueError, match=f"piece 1: .*{why}"):
+            engine.transcribe([audio, piece])
+    assert engine.transcribe([]) == []
+    assert engine.transcribe([audio.astype(np.float64)]) == engine.transcribe([audio])
+    with pytest.raises(ValueError, match="decoding must be one of auto, ctc, got 'bogus'"):
+        ParakeetEngine.from_nemo(ref.nemo, "cpu", decoding="bogus")
+
+
+def test_whisper_refuses_the_same_audio():
+    """Whisper's `transcribe` checks its pieces the same way (`checked_pieces`)."""
+    import numpy as np
+
+    from conftest import bundled_whisper_fp32
+
+    engine = bundled_whisper_fp32(batch_size=1)
+    with pytest.raises(ValueError, match="piece 0: audio contains NaN"):
+        engine.transcribe([np.full(16000, np.nan, np.float32)])
+    with pytest.raises(ValueError, match="piece 0: audio must be float samples"):
+        engine.transcribe([np.zeros(16000, np.int16)])
+    assert engine.transcribe([]) == []

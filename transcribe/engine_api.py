@@ -57,4 +57,23 @@ class Engine(Protocol):
     def transcribe_features(self, features: list[torch.Tensor],
                             languages: list[str | None] | None = None) -> list[Result]: ...
 
-    def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...  # frontend + the above
+    # frontend + the above; pieces: mono float samples at sample_rate (`checked_pieces`)
+    def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...
+
+
+def checked_pieces(pieces: list[np.ndarray]) -> list[np.ndarray]:
+    """`Engine.transcribe`'s audio as float32, or ValueError naming the piece: each must be mono
+    float samples in [-1, 1] and finite, as a file's are once decoded (`transcribe/audio.py`);
+    integer PCM would be read 32768 times too loud, and a NaN spreads over the whole batch."""
+    out = []
+    for i, p in enumerate(pieces):
+        a = np.asarray(p)
+        if a.ndim != 1:
+            raise ValueError(f"piece {i}: audio must be mono samples [T], got shape {a.shape}")
+        if a.dtype.kind != "f":
+            raise ValueError(f"piece {i}: audio must be float samples in [-1, 1], got {a.dtype} "
+                             f"(divide integer PCM by its full scale, 32768 for int16)")
+        if not np.isfinite(a).all():
+            raise ValueError(f"piece {i}: audio contains NaN or infinite samples")
+        out.append(np.ascontiguousarray(a, dtype=np.float32))
+    return out
