@@ -85,3 +85,22 @@ def test_a_failed_files_reference_counts_as_deletions_and_the_summary_says_it_fa
     assert abs(r["wer"] - 4 / 7) < 1e-9
     assert "2 files (1 failed)," in summary_line(r)
     assert "failed" not in summary_line(_report({"a": "x"}, {"a": "x"}, failed=0))
+
+
+def test_every_bench_script_prints_its_help_on_a_cpu_machine():
+    """`--help` is how a user finds a benchmark's options before renting a GPU for it: each
+    script under bench/ answers it, exit 0, without CUDA (the probe once asserted CUDA first)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    scripts = sorted((root / "bench").glob("*.py")) + sorted((root / "bench" / "gpu").glob("*.py"))
+    assert len(scripts) > 10
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    running = [(s, subprocess.Popen([sys.executable, str(s), "--help"], cwd=root, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)) for s in scripts]
+    for s, p in running:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.strip(), (s.name, out[-1500:])

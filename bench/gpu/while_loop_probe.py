@@ -99,6 +99,8 @@ def run_variant(name):
     print(name, "x =", int(x), "z =", int(z), flush=True)
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):  # before anything touches CUDA: help works on any machine
+        print(__doc__); sys.exit(0)
     if len(sys.argv) > 1:
         run_variant(sys.argv[1]); sys.exit(0)
     # Most telling first: the stage has 300 s for all of them.
