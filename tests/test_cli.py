@@ -384,6 +384,11 @@ def test_bench_report_has_the_contract_fields(tmp_path):
     # the job's thread: waiting for its workers with nothing to run (at least the first piece:
     # workers start and decode before it) and storing results; each within the run's wall time
     assert 0 < r["stages"]["wait_for_pieces"] < r["wall_seconds"] and 0 < r["stages"]["settle"] < r["wall_seconds"]
+    # ... whose stages account for its whole run, its startup (the engine's buffers and its
+    # thread-count probe: a second on a busy machine) and end included: none untimed
+    own = ("plan", "startup", "wait_for_pieces", "batch", "encoder", "decoder", "detokenize", "settle", "finish")
+    assert all(r["stages"][k] > 0 for k in own), r["stages"]
+    assert 0.9 * r["transcribe_seconds"] < sum(r["stages"][k] for k in own) < r["transcribe_seconds"] + 0.01
     # how the model ran, as the startup line says it: two reports can say why they differ
     assert r["runtime"] and f"({r['runtime']})" in p.stderr and r["settings"] == {}
     for folder in (str(tmp_path), ""):  # refused before the run, not after it with a traceback

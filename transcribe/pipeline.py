@@ -136,6 +136,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
         n_workers = workers or default_workers()
+        stats.stage_seconds["plan"] += time.perf_counter() - t_start
         try:
             with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
                 if todo:
@@ -204,14 +205,18 @@ class _Job:
         """The job, then the wait for its last writes (also when it stops on an exception:
         whatever was handed to the writing thread is written before the log closes)."""
         try:
-            self._run(n_workers, batch_seconds, timeout, prespawned)
+            done_at = self._run(n_workers, batch_seconds, timeout, prespawned)
         except BaseException:
             self.outputs.close(stopping=True)
             raise
         self.outputs.close()
+        self.stats.stage_seconds["finish"] += time.perf_counter() - done_at
 
     def _run(self, n_workers: int, batch_seconds: float, timeout: FileTimeout,
-             prespawned: Prespawned | None) -> None:
+             prespawned: Prespawned | None) -> float:
+        """The job's loop between its "startup" (slab, workers attached, the engine's buffers)
+        and its "finish" (workers stopped, last writes): returns when its last file was done."""
+        t0 = time.perf_counter()
         frontend = self.engine.frontend
         with Slab.create(slab_slots(frontend, n_workers), frontend.n_mels * frontend.max_frames) as slab, \
                 WorkerPool(frontend, slab, n_workers, timeout, prespawned) as pool:
@@ -221,6 +226,7 @@ class _Job:
             self.engine.reserve(max_items)
             gc.collect()
             gc.freeze()  # long-lived startup objects: out of every collection's scan while we run
+            self.stats.stage_seconds["startup"] += time.perf_counter() - t0
             try:
                 for fid, f in list(self.files.items()):
                     if f.file.problem:  # a manifest line that names nothing we can open
@@ -241,6 +247,7 @@ class _Job:
                     if len(batcher):
                         self._run_batch(batcher.take(), batcher, pool, slab)
                     self.outputs.flush()
+                done_at = time.perf_counter()
             except Interrupted:
                 self.outputs.flush()  # what was transcribed before ^C is written
                 raise
@@ -248,6 +255,7 @@ class _Job:
                 gc.unfreeze()
         for k, v in pool.stage_seconds.items():
             self.stats.stage_seconds[k] += v
+        return done_at
 
     def _on_event(self, event: tuple, batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:
         kind, fid = event[0], (event[1].fid if event[0] == "piece" else event[1])
