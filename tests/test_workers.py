@@ -267,9 +267,25 @@ def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypat
         with AudioStream(tmp_path / "ab.ogg", SR) as stream:
             n = sum(x.shape[0] for x in stream.blocks())
         assert abs(n - (a.shape[0] + b.shape[0])) < 0.05 * SR  # both links, not 3 s of 5
+    # Joins libsndfile reads as the first link alone without a sign: two copies of one file,
+    # Opus links. Found by their pages (a second stream's first page after the first's data).
+    (tmp_path / "aa.ogg").write_bytes((tmp_path / "a.ogg").read_bytes() * 2)
+    for name, x in (("a.opus", a), ("b.opus", b)):
+        sf.write(tmp_path / name, x, SR, format="OGG", subtype="OPUS")
+    (tmp_path / "ab.opus").write_bytes((tmp_path / "a.opus").read_bytes() + (tmp_path / "b.opus").read_bytes())
+    joins = {"ab.ogg": a.shape[0] + b.shape[0], "aa.ogg": 2 * a.shape[0], "ab.opus": a.shape[0] + b.shape[0]}
+    if _has_av():
+        for name, want in joins.items():
+            with AudioStream(tmp_path / name, SR) as stream:
+                n = sum(x.shape[0] for x in stream.blocks())
+            assert abs(n - want) < 0.05 * SR, (name, n, want)
     monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed
-    with pytest.raises(AudioError, match=r"reading a chained Ogg stream \(several joined\) needs PyAV"):
-        AudioStream(tmp_path / "ab.ogg", SR)
+    for name in joins:
+        with pytest.raises(AudioError, match=r"reading a chained Ogg stream \(several joined\) needs PyAV"):
+            AudioStream(tmp_path / name, SR)
+    for name in ("a.opus", "b.ogg"):  # one link each: libsndfile, as before
+        with AudioStream(tmp_path / name, SR) as stream:
+            assert stream._source.__class__.__name__ == "_SoundfileSource", name
     with AudioStream(tmp_path / "a.ogg", SR) as stream:  # one link: libsndfile, as before
         assert sum(x.shape[0] for x in stream.blocks()) == a.shape[0]
 

@@ -20,7 +20,7 @@ import soxr
 
 # _check_path / _open_error: the same file checks and libsndfile messages as load_audio.
 from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error, sndfile_path
-from transcribe.ogg_end import ogg_cut_off
+from transcribe.ogg_end import ogg_chained, ogg_cut_off
 
 AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
@@ -34,7 +34,8 @@ _SHORT_DATA = re.compile(r"^data\s*:\s*(\d+) \(should be (\d+)\)", re.MULTILINE)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation
 # A chained Ogg stream (files joined end to end), of which libsndfile decodes only the first
 # link: its frame count is SF_COUNT_MAX (unknown) when the links' serial numbers differ, and it
-# logs junk after the first link when they are equal (joined copies of one encoder's output).
+# logs junk after the first link when they are equal. Neither flags every join (two copies of
+# one file, Opus links): `ogg_chained` walks the pages for a second stream's first page.
 _UNKNOWN_FRAMES = 2**63 - 1
 _OGG_JUNK = "Ogg: Junk after the last page"
 # Decoding ending this far short of the header's length is a cut-off file (a half-copied MP3
@@ -92,7 +93,7 @@ class AudioStream:
             cut = source.format == "OGG" and ogg_cut_off(self.path)
             if cut:
                 raise AudioError(self.path, f"truncated: {cut}")
-            if source.chained:
+            if source.chained or source.format == "OGG" and ogg_chained(self.path):
                 source.close()
                 return _AvSource(self.path, "a chained Ogg stream (several joined)")
             joined = joined_mp3(self.path) if source.format == "MP3" else None

@@ -1,4 +1,4 @@
-"""Whether an Ogg file (Vorbis, Opus, FLAC in Ogg) was cut off.
+"""Whether an Ogg file (Vorbis, Opus, FLAC in Ogg) was cut off, or is several joined end to end.
 
 libsndfile takes an Ogg file's length from the granule position of its last whole page and
 decodes up to it without complaint, so a half-copied file or a recording whose writer died
@@ -18,6 +18,7 @@ that way (trailing bytes of another kind, say) gives no verdict: the file is rea
 """
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 _HEADER = 27  # bytes before the segment table
@@ -97,3 +98,40 @@ def ogg_cut_off(path: str | Path) -> str | None:
             return verdict
         at = buf.find(b"OggS", at + 1)
     return None
+
+
+BOS = 0x02  # header-type flag: the first page of a logical stream
+
+
+def ogg_chained(path: str | Path) -> bool:
+    """Whether the Ogg file at `path` holds a second stream after the first one's pages (files
+    joined end to end): a page flagged beginning-of-stream after a page that is not. libsndfile
+    decodes the first link only, and it does not always say so: a junk warning or an unknown
+    length flags some joins, but two copies of one encoder's output, or Opus links, read as
+    the first link's length alone, and the rest of the speech was dropped with an "ok".
+
+    The pages are walked by their lengths (the file is mapped, not read into memory); a page
+    that is not where the one before ended, and any late BOS page, counts only if its CRC
+    checks, so "OggS" inside packet data cannot pass for one."""
+    with open(path, "rb") as f:
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (ValueError, OSError):
+            return False  # empty, or a file that cannot be mapped: no verdict
+    with mm:
+        at = expected = 0
+        past_headers = False
+        while (at := mm.find(b"OggS", at)) != -1:
+            end = _page_end(mm, at)
+            if end is None or end > len(mm) or mm[at + 4] != 0:
+                at += 1
+                continue
+            late_bos = bool(mm[at + 5] & BOS) and past_headers
+            if (at != expected or late_bos) and not _crc_ok(mm[at:end]):
+                at += 1
+                continue
+            if late_bos:
+                return True
+            past_headers = past_headers or not mm[at + 5] & BOS
+            at = expected = end
+    return False
