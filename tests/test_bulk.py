@@ -719,3 +719,19 @@ def test_a_sigint_while_the_model_loads_ends_the_command_with_130_not_a_tracebac
         signal.signal(signal.SIGINT, before)
     assert stopped.value.exit_code == 130
     assert "interrupted by SIGINT while the model loaded: nothing was transcribed" in capsys.readouterr().err
+
+
+def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
+    """`cmd &` from a script (or nohup) starts the job with SIGINT ignored, so that a ^C meant
+    for the shell spares it; it installed its own handler anyway and stopped (130). It runs
+    on to the end; SIGTERM still stops it."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, N_JOB)
+    p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10",
+             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    _wait_lines(p, out, 2)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0 and "interrupted" not in stderr, stderr
+    assert len(_rows(out)) == N_JOB and all(r["status"] == "ok" for r in _rows(out))
+    _assert_clean(out)

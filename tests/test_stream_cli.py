@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from conftest import NEMO_REF, SPEECH, needs_shared
 
@@ -116,6 +117,25 @@ def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
         assert all(m["type"] in ("segment", "partial") for m in rest[:-1])
         assert rest[-1]["type"] == "error" and rest[-1]["code"] == "shutdown", rest  # told why
         client.close()
+    finally:
+        server.kill()
+
+
+def test_a_server_started_with_sigint_ignored_keeps_ignoring_it():
+    """`serve ... &` from a script starts with SIGINT ignored: a ^C meant for the shell must not
+    stop it. SIGTERM still does (143)."""
+    server = subprocess.Popen([sys.executable, "-m", "transcribe.cli", "serve", "--model", MODEL, "--port", "0"],
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert " INFO listening on " in server.stderr.readline()
+        time.sleep(1.0)  # the handlers are set up after that line
+        server.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            server.wait(timeout=2.0)
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=60)
+        assert server.returncode == 143 and "Traceback" not in err, err
     finally:
         server.kill()
 

@@ -69,7 +69,14 @@ def remember_sigint() -> None:
     handler does, and is remembered for the job."""
     if threading.current_thread() is threading.main_thread():
         _received.clear()
-        signal.signal(signal.SIGINT, _sigint_before_the_job)
+        if not _ignored(signal.SIGINT):
+            signal.signal(signal.SIGINT, _sigint_before_the_job)
+
+
+def _ignored(signum: int) -> bool:
+    """The signal was ignored when this process started (a job started with `&` from a script,
+    `nohup`): it stays ignored, as programs keep an inherited SIG_IGN, and as Python does."""
+    return signal.getsignal(signum) is signal.SIG_IGN
 
 
 def _sigint_before_the_job(signum, frame) -> None:
@@ -161,7 +168,7 @@ def _signals_raise() -> Iterator[None]:
         _received.append(signum)
         raise Interrupted(signum)
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if not _ignored(s)}
     try:
         stop_if_signalled()  # one whose raise was lost before the job began
         yield

@@ -529,6 +529,8 @@ async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
         log.info("WebSocket on ws://%s:%d", _hostport(server.ws_address[0]), server.ws_address[1])
     loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue  # ignored from the start (`nohup`, `&` in a script): kept so, as programs do
         loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.broken.wait())]
     try:
