@@ -90,6 +90,24 @@ def test_piece_cuts_fall_between_utterances(longform):
 
 
 @needs_shared
+@pytest.mark.parametrize("gain", [0.25, 1.0, 4.0])
+def test_cuts_in_a_real_recording_fall_in_pauses_at_any_level(gain):
+    """Whisper's 20 s pieces of a real recording (MFA's michaelandsickmichael, 52 s, a normal
+    then a sick voice), as loud or quiet as it comes: each cut lies in a pause that the VAD
+    finds over the whole file (>= 0.3 s). The VAD adapts to the level as it goes: run cold
+    from the search span's start on the 4x louder copy, it called one 30 ms frame inside
+    "slow" a pause, and the word came out in both pieces."""
+    from transcribe.audio import load_audio
+    from transcribe.vad import PAUSE_AGGRESSIVENESS, runs
+
+    audio = np.clip(load_audio(LONGFORM / "michaelandsickmichael.wav", 16000) * gain, -1, 1)
+    starts, ends = runs(~speech_flags(audio, 16000, PAUSE_AGGRESSIVENESS))
+    pauses = [(s * 0.03, e * 0.03) for s, e in zip(starts, ends) if (e - s) * 0.03 >= 0.3]
+    cuts = [offset for offset, _ in split_long(audio, 16000, 30.0, 20.0)[1:]]
+    assert len(cuts) >= 2 and all(any(s <= c <= e for s, e in pauses) for c in cuts), (cuts, pauses)
+
+
+@needs_shared
 def test_long_file_words_come_out_in_file_time(tmp_path):
     from engines.parakeet import ParakeetEngine
     from transcribe.inputs import discover

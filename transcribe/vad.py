@@ -27,15 +27,18 @@ def frame_samples(sample_rate: int) -> int:
     return round(FRAME_SECONDS * sample_rate)
 
 
-def speech_flags(audio: np.ndarray, sample_rate: int, aggressiveness: int = SPEECH_AGGRESSIVENESS) -> np.ndarray:
+def speech_flags(audio: np.ndarray, sample_rate: int, aggressiveness: int = SPEECH_AGGRESSIVENESS,
+                 vad: webrtcvad.Vad | None = None) -> np.ndarray:
     """float32 samples [n] in [-1, 1] -> bool [n // frame]: speech per 30 ms frame.
 
-    A tail shorter than one frame gets no flag.
+    A tail shorter than one frame gets no flag. `vad`: a detector to go on with (its
+    `aggressiveness` is its own): webrtcvad adapts to the audio as it goes, so the flags of a
+    stream fed in parts through one detector are those of the whole, not of each part.
     """
     frame = frame_samples(sample_rate)
     n = audio.shape[0] // frame
     pcm = np.clip(audio[: n * frame] * 32768.0, -32768, 32767).astype("<i2").tobytes()
-    vad = webrtcvad.Vad(aggressiveness)
+    vad = vad or webrtcvad.Vad(aggressiveness)
     step = 2 * frame  # bytes per frame
     return np.fromiter((vad.is_speech(pcm[i : i + step], sample_rate) for i in range(0, n * step, step)),
                        dtype=bool, count=n)
