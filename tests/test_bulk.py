@@ -166,6 +166,9 @@ def test_every_bad_input_fails_alone_with_its_reason_and_exit_3(tmp_path):
     for name, word in kinds.items():
         r = rows[name]
         assert r["status"] == "error" and name in r["error"] and word in r["error"], (name, r["error"])
+    # an error line has the file's length where its header was read before it failed, else null
+    assert rows["nan.wav"]["duration"] == 1.0 and rows["short.wav"]["duration"] == 0.001
+    assert all(rows[n]["duration"] is None for n in ("empty.wav", "text.wav", "gone.wav", "channels_65.wav"))
     _assert_clean(out)
 
 
@@ -203,6 +206,8 @@ def test_a_crashed_or_hung_worker_fails_its_file_and_the_job_goes_on(tmp_path):
     assert (stats.files_ok, stats.files_failed) == (4, 2) and len(rows) == 6
     assert "worker process died (killed by SIGKILL)" in rows["crash.wav"]["error"]
     assert "timed out" in rows["hang.wav"]["error"]
+    assert (rows["crash.wav"]["duration"], rows["hang.wav"]["duration"]) == (round(CRASH_LEN / 16000, 3),
+                                                                              round(HANG_LEN / 16000, 3))
     assert all(r["status"] == "ok" for n, r in rows.items() if n.startswith("f"))
     _assert_clean(out)
 
@@ -228,7 +233,7 @@ def test_unwritable_outputs_fail_their_file_and_a_full_disk_stops_the_run(tmp_pa
     rows = {Path(r["audio_filepath"]).name: r for r in _rows(out)}
     assert (stats.files_ok, stats.files_failed) == (5, 1) and len(rows) == 6
     assert rows[long.name]["status"] == "error" and "cannot write its transcript" in rows[long.name]["error"]
-    assert "File name too long" in rows[long.name]["error"]
+    assert "File name too long" in rows[long.name]["error"] and rows[long.name]["duration"] > 1
     _assert_clean(out)
 
     out2, calls = tmp_path / "out2", []

@@ -58,7 +58,7 @@ class FakeOutputs:
     def finished_(self, file, result, seconds):
         self.finished[file.fid] = result
 
-    def fail(self, file, error):
+    def fail(self, file, error, seconds=None):
         self.failed[file.fid] = error
 
     def flush(self):
@@ -154,7 +154,7 @@ def simulate(seed, n_workers=2, n_files=5, p_error_event=0.05):
             fid, i = workers[w]
             pieces = files[fid]
             if rng.random() < p_error_event:
-                events.append(("error", fid, "worker died"))
+                events.append(("error", fid, "worker died", None))
                 workers[w] = None
                 continue
             if i < len(pieces):

@@ -47,17 +47,19 @@ class OutputWriter:
         self.made_by = {"model": model, **({"settings": settings} if settings else {})}
         self.stats, self.bar = stats, bar  # both touched by the writing thread alone until close
         # Since the last flush: (file, Result, seconds) transcribed, or (file, error) failed.
-        self.pending: list[tuple[InputFile, Result, float] | tuple[InputFile, str]] = []
+        # (file, result, seconds) to write, or (file, error, seconds or None) to log as failed
+        self.pending: list[tuple[InputFile, Result, float] | tuple[InputFile, str, float | None]] = []
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="outputs")
         self._writing: Future | None = None  # the batch handed over last
 
     def finished(self, file: InputFile, result: Result, seconds: float) -> None:
         self.pending.append((file, result, seconds))
 
-    def fail(self, file: InputFile, error: str) -> None:
-        """Say why now; the file's `error` line is logged with the next flush."""
+    def fail(self, file: InputFile, error: str, seconds: float | None = None) -> None:
+        """Say why now; the file's `error` line is logged with the next flush. seconds: its
+        audio's length where known (its header was read), else None."""
         print(f"error: {error}", file=sys.stderr)
-        self.pending.append((file, error))
+        self.pending.append((file, error, seconds))
 
     def flush(self) -> None:
         """Hand the files since the last flush to the writing thread, once the batch handed
@@ -94,7 +96,7 @@ class OutputWriter:
         t0 = time.perf_counter()
         writes, staged, stop = StagedWrites(), [], None
         for item in batch:
-            if len(item) == 2:
+            if isinstance(item[1], str):
                 self._log_failure(*item)
                 continue
             file, result, seconds = item
@@ -106,7 +108,7 @@ class OutputWriter:
                 if e.errno in STOP_ERRNOS:
                     stop = e
                     break
-                self._cannot_write(file, e)
+                self._cannot_write(file, e, seconds)
                 continue
             staged.append((file, result, seconds, stem))
         try:
@@ -115,7 +117,7 @@ class OutputWriter:
             raise OutputStopped(f"{self.out_dir}: {e.strerror}") from e
         for file, result, seconds, stem in staged:
             if stem in failed:
-                self._cannot_write(file, failed[stem])
+                self._cannot_write(file, failed[stem], seconds)
                 continue
             self._log({**_names(file), "duration": round(seconds, 3), "text": result.text,
                        "status": "ok", "error": None, **self.made_by, **self.identities[file.path],
@@ -130,16 +132,16 @@ class OutputWriter:
         if stop is not None:
             raise OutputStopped(f"{self.out_dir}: {stop.strerror}") from stop
 
-    def _log_failure(self, file: InputFile, error: str) -> None:
-        self._log({**_names(file), "duration": None, "text": "", "status": "error",
+    def _log_failure(self, file: InputFile, error: str, seconds: float | None) -> None:
+        self._log({**_names(file), "duration": None if seconds is None else round(seconds, 3), "text": "", "status": "error",
                    "error": error, **self.made_by, **self.identities[file.path]})
         self.stats.files_failed += 1
         self.bar.step()
 
-    def _cannot_write(self, file: InputFile, e: OSError) -> None:
+    def _cannot_write(self, file: InputFile, e: OSError, seconds: float) -> None:
         error = f"{file.path}: cannot write its transcript ({e.strerror or e}: {e.filename})"
         print(f"error: {error}", file=sys.stderr)
-        self._log_failure(file, error)
+        self._log_failure(file, error, seconds)
 
     def _log(self, record: dict) -> None:
         """Append a results.jsonl line. The log is what a rerun resumes from: if it takes no

@@ -279,7 +279,7 @@ class _Job:
         elif kind == "error":
             if f is not None:
                 pool.release([p.slot for p in batcher.drop(lambda p: p.fid == fid)])
-                self._fail(fid, event[2], pool)
+                self._fail(fid, event[2], pool, event[3])
         elif kind == "fatal":
             raise event[1]
 
@@ -317,7 +317,9 @@ class _Job:
             if isinstance(r, str) and p.fid in self.files:
                 failed.setdefault(p.fid, r)
         for fid, reason in failed.items():
-            self._fail(fid, f"{self.files[fid].file.path}: model failed on a piece of it: {reason}", pool)
+            f = self.files[fid]  # its length is known once its worker is done with it
+            self._fail(fid, f"{f.file.path}: model failed on a piece of it: {reason}", pool,
+                       f.samples / self.engine.sample_rate if f.samples else None)
         final: list[tuple[Piece, Result]] = []
         again: list[Piece] = []
         for p, r in zip(batch, outcomes):
@@ -387,10 +389,10 @@ class _Job:
             self.languages.forget(fid)
         self.outputs.finished(f.file, result, seconds)
 
-    def _fail(self, fid: int, error: str, pool: WorkerPool) -> None:
+    def _fail(self, fid: int, error: str, pool: WorkerPool, seconds: float | None = None) -> None:
         if self.languages is not None:  # pieces held for the language: their slots go back
             pool.release([p.slot for p in self.languages.forget(fid)])
-        self.outputs.fail(self.files.pop(fid).file, error)
+        self.outputs.fail(self.files.pop(fid).file, error, seconds)
 
 
 def _padded_seconds(batch: list[Piece], sample_rate: int) -> float:

@@ -102,7 +102,7 @@ def _one_file(conn, slab: Slab, frontend, fid: int, path: str, span=None) -> tup
     stages: dict[str, float] = defaultdict(float)
     try:
         with AudioStream(path, frontend.sample_rate, span=span) as stream:
-            conn.send(("start", fid, stream.timeout_seconds))
+            conn.send(("start", fid, stream.timeout_seconds, stream.duration))
             n = _pieces(conn, slab, frontend, fid, stream, stages)
         return ("done", fid, n, stream.samples, dict(stages))
     except AudioError as e:

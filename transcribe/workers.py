@@ -107,13 +107,15 @@ class _Worker:
     span: tuple[float, float | None] | None = None  # a segment of the file (InputFile.span)
     deadline: float = 0.0
     limit: float = 0.0
+    seconds: float | None = None  # its file's length, from the header, once it has opened it
     waiting_since: float | None = None  # asked for a slot, none free yet
     granted: set[int] = field(default_factory=set)  # slots given, not yet sent back in a Piece
 
 
 class WorkerPool:
     """Files in (`submit`), events out (`events`): ("piece", Piece), ("done", fid, n_pieces,
-    samples), ("error", fid, why); a bug in the pool thread arrives as ("fatal", exception)."""
+    samples), ("error", fid, why, seconds: the file's length if its header was read, else
+    None); a bug in the pool thread arrives as ("fatal", exception)."""
 
     def __init__(self, frontend, slab: Slab, n_workers: int, timeout: FileTimeout = FileTimeout(),
                  prespawned: Prespawned | None = None):
@@ -272,7 +274,7 @@ class WorkerPool:
                 w.waiting_since = now
                 self._waiting.append(w)
         elif kind == "start":
-            w.limit = self.timeout.limit(msg[2])
+            w.limit, w.seconds = self.timeout.limit(msg[2]), msg[3]
             w.deadline = now + w.limit
         elif kind == "piece":
             w.granted.discard(msg[1].slot)
@@ -280,10 +282,10 @@ class WorkerPool:
         else:  # "done" or "error": the file is over, the worker is free
             for k, v in msg[-1].items():
                 self.stage_seconds[k] += v
-            self.events.put(msg[:-1])
+            self.events.put(msg[:-1] + ((w.seconds,) if kind == "error" else ()))
             self._free.extend(w.granted)  # granted but unused: the file failed after asking
             w.granted.clear()
-            w.fid, w.path = None, ""
+            w.fid, w.path, w.seconds = None, "", None
 
     def _replace(self, w: _Worker, why: str) -> None:
         """A dead or killed worker: fail its file, take back its slots, start another."""
@@ -293,7 +295,7 @@ class WorkerPool:
             if self._start_failures >= MAX_START_FAILURES:
                 raise WorkerStartError(f"preprocessing workers cannot start: {why}")
         if w.fid is not None:
-            self.events.put(("error", w.fid, f"{w.path}: {why}"))
+            self.events.put(("error", w.fid, f"{w.path}: {why}", w.seconds))
         self._free.extend(w.granted)
         if w in self._waiting:
             self._waiting.remove(w)
