@@ -149,8 +149,9 @@ class AudioStream:
                     yield held
                 held = out
         if n_in == 0:
-            if self.span is not None and self.span[1] == 0:
-                raise AudioError(self.path, f"an empty segment: duration 0 at offset {self.span[0]:g} s")
+            if self.span is not None and self.span[1] is not None and round(self.span[1] * rate) == 0:
+                raise AudioError(self.path, f"an empty segment: duration {self.span[1]:g} s at offset "
+                                            f"{self.span[0]:g} s holds no sample")
             if self.span is not None:
                 raise AudioError(self.path, f"no audio samples from {self.span[0]:g} s on (offset past the end)")
             raise AudioError(self.path, "no audio samples (0 frames)")
@@ -173,7 +174,7 @@ class AudioStream:
             yield from self._source.mono_blocks()
             return
         rate = self._source.rate
-        skip = round(self.span[0] * rate)
+        skip = round(min(self.span[0] * rate, 2**62))  # an offset of 1e308 s is past any end, not an overflow
         left = math.inf if self.span[1] is None else round(self.span[1] * rate)
         skip -= self._source.seek(skip)
         for mono in self._source.mono_blocks():
