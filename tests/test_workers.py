@@ -506,3 +506,30 @@ def test_a_segment_decodes_the_samples_of_its_span(tmp_path):
     with pytest.raises(AudioError, match="offset past the end"):  # not OverflowError
         with AudioStream(tmp_path / "x.flac", SR, span=(1e308, 1.0)) as stream:
             list(stream.blocks())
+
+
+def test_a_wav_whose_writer_stopped_before_its_sizes_is_read_to_its_end(tmp_path, monkeypatch):
+    """A recorder killed before it finalises its WAV leaves the RIFF and data sizes 0 (or
+    0xFFFFFFFF). libsndfile reads 0xFFFFFFFF to the end but 0 as no samples: such a file failed
+    as "no audio samples (0 frames)" though it holds them. It goes through PyAV, as FFmpeg reads
+    the data to the end; a header with no data after it is still "no audio samples"."""
+    import struct
+    import sys
+
+    from transcribe.decode import AudioError
+
+    x = (np.sin(np.arange(52_400) / 7.0) * 8000).astype("<i2")
+    fmt = struct.pack("<HHIIHH", 1, 1, SR, 2 * SR, 2, 16)
+    head = b"WAVEfmt " + struct.pack("<I", 16) + fmt + b"data"
+    (tmp_path / "open.wav").write_bytes(b"RIFF" + bytes(4) + head + bytes(4) + x.tobytes())
+    (tmp_path / "bare.wav").write_bytes(b"RIFF" + struct.pack("<I", 36) + head + bytes(4))
+    if _has_av():
+        with AudioStream(tmp_path / "open.wav", SR) as stream:
+            got = np.concatenate(list(stream.blocks()))
+        np.testing.assert_allclose(got, x / 32768.0, atol=1e-6)
+    with pytest.raises(AudioError, match="no audio samples"):
+        with AudioStream(tmp_path / "bare.wav", SR) as stream:
+            list(stream.blocks())
+    monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed: said, not "no samples"
+    with pytest.raises(AudioError, match=r"reading a WAV whose header gives its data no size .* needs PyAV"):
+        AudioStream(tmp_path / "open.wav", SR)

@@ -32,6 +32,9 @@ BLOCK_BYTES = 1 << 21
 # libsndfile's log for a WAV whose data chunk promises more bytes than the file holds.
 _SHORT_DATA = re.compile(r"^data\s*:\s*(\d+) \(should be (\d+)\)", re.MULTILINE)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation
+# ... of which libsndfile reads 0xFFFFFFFF to the file's end, but 0 as no samples at all: a WAV
+# whose recorder stopped before it wrote the sizes. FFmpeg reads such a data chunk to the end.
+_OPEN_DATA = re.compile(r"^data\s*:\s*0$", re.MULTILINE)
 # A chained Ogg stream (files joined end to end), of which libsndfile decodes only the first
 # link: its frame count is SF_COUNT_MAX (unknown) when the links' serial numbers differ, and it
 # logs junk after the first link when they are equal. Neither flags every join (two copies of
@@ -96,6 +99,10 @@ class AudioStream:
             if source.chained or source.format == "OGG" and ogg_chained(self.path):
                 source.close()
                 return _AvSource(self.path, "a chained Ogg stream (several joined)")
+            if source.open_wav:
+                source.close()
+                return _AvSource(self.path, "a WAV whose header gives its data no size (its writer "
+                                            "stopped before finishing it)")
             joined = joined_mp3(self.path) if source.format == "MP3" else None
             if joined is None:
                 return source
@@ -207,6 +214,7 @@ class _SoundfileSource:
         self._at = 0  # the frame the next read starts at
         self.format = self._f.format
         self.chained = self.frames == _UNKNOWN_FRAMES or _OGG_JUNK in self._f.extra_info
+        self.open_wav = self.frames == 0 and bool(_OPEN_DATA.search(self._f.extra_info)) and _bytes_after_data(path)
 
     def seek(self, frame: int) -> int:
         """Start reading at `frame` (clamped to the file); returns the frames skipped."""
@@ -278,6 +286,15 @@ def joined_mp3(path: Path) -> tuple[int, int] | None:
     if declared <= 0 or held <= declared + max(fraction * declared, minimum):
         return None
     return declared, held
+
+
+def _bytes_after_data(path: Path) -> bool:
+    """Whether bytes follow the header of the WAV at `path` (its first "data" chunk's 8)."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+        size = f.seek(0, 2)
+    at = head.find(b"data", 12)
+    return at >= 0 and size > at + 8
 
 
 def _import_av():
