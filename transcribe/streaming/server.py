@@ -524,14 +524,14 @@ async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
     freed) and every handler has finished, so a stop prints no cancellation tracebacks."""
     server = StreamServer(model, cfg)
     host, port = await server.start()
-    log.info("listening on %s:%d (max_streams=%d)", _hostport(host), port, cfg.max_streams)
-    if server.ws_address is not None:
-        log.info("WebSocket on ws://%s:%d", _hostport(server.ws_address[0]), server.ws_address[1])
     loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before "listening": a signal on that line stops cleanly
         if signal.getsignal(sig) is signal.SIG_IGN:
             continue  # ignored from the start (`nohup`, `&` in a script): kept so, as programs do
         loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
+    log.info("listening on %s:%d (max_streams=%d)", _hostport(host), port, cfg.max_streams)
+    if server.ws_address is not None:
+        log.info("WebSocket on ws://%s:%d", _hostport(server.ws_address[0]), server.ws_address[1])
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.broken.wait())]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
