@@ -152,7 +152,7 @@ class _Outputs:
     def __init__(self):
         self.failed, self.finished_files = [], []
 
-    def fail(self, file, error):
+    def fail(self, file, error, seconds=None):
         self.failed.append(error)
 
     def finished(self, file, result, seconds):
