@@ -38,6 +38,16 @@ def check_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
     raise ValueError(f"encoder dtype {name} is not supported on device {device} (only float32 is)")
 
 
+def check_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
+    """ValueError unless a key/value cache can be stored in `dtype` on `device`: a cache is only
+    written and read by attention (SDPA), never multiplied by oneDNN's packed GEMMs, so a CPU
+    without bf16 in hardware still holds a bf16 cache (torch computes its attention in software;
+    whether that pays is `engines.whisper.cross_cache_dtype`'s to time)."""
+    if torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        return
+    check_dtype(dtype, device)
+
+
 # The short names `transcribe export-engine --precision` uses, accepted by --dtype as well.
 ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPES, *ALIASES)

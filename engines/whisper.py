@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from engines.conformer import LayerNorm
 from engines.cpu_threads import DECODER_THREADS, best_seconds, decoder_threads
 from engines.fast_linear import PackedLinear, onednn_linear_available, pack
-from engines.precision import check_dtype
+from engines.precision import check_cache_dtype, check_dtype
 
 log = logging.getLogger("transcribe")
 
@@ -500,14 +500,16 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
     the encoder's states), the rest of the decoder's in `decoder_dtype` (None: `dtype`),
     LayerNorms' in fp32, each converted from the checkpoint's own dtype; the decoder's
     cross-attention cache is stored in `cross_dtype` (None: `decoder_dtype`). Each dtype is
-    checked against the device first (engines.precision.check_dtype: ValueError). On the CPU the
+    checked against the device first (engines.precision.check_dtype, check_cache_dtype for the
+    cache: ValueError). On the CPU the
     linears are then packed (`pack_linears`): the model is for inference only; and the encoder's
     attention kernel is the one timed faster on this CPU (`encoder_attention_kernel`)."""
     device = torch.device(device)
     decoder_dtype = decoder_dtype or dtype
     cross_dtype = cross_dtype or decoder_dtype
-    for dt in {dtype, decoder_dtype, cross_dtype}:
+    for dt in {dtype, decoder_dtype}:
         check_dtype(dt, device)
+    check_cache_dtype(cross_dtype, device)  # stored and attended over, never a GEMM's operand
     state = dict(state)
     if "encoder.pos" not in state:  # sinusoidal, so checkpoints may leave it out
         state["encoder.pos"] = sinusoids(dims.n_audio_ctx, dims.n_audio_state)

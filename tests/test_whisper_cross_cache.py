@@ -139,6 +139,21 @@ def test_every_decoding_path_runs_over_a_bf16_cache(bf16_cache_model):
     assert static.graphs.static.cross_k.dtype is torch.bfloat16
 
 
+def test_a_cpu_without_bf16_gemms_still_holds_a_bf16_cache(monkeypatch):
+    """The cache is only attended over (SDPA computes bf16 in software where the CPU lacks it),
+    so a CPU whose oneDNN has no bf16 GEMMs (an AVX2-only AMD EPYC) builds a model with a bf16
+    cache, where the probe picks one; its encoder and decoder still refuse bf16."""
+    monkeypatch.setattr("engines.precision.onednn_linear_available", lambda dtype=torch.float32: dtype == torch.float32)
+    dims = random_dims()
+    model = build_whisper(dims, random_state(dims), "cpu", cross_dtype=torch.bfloat16)
+    assert model.decoder.cache_dtype is torch.bfloat16
+    for dtype, decoder_dtype in ((torch.bfloat16, None), (torch.float32, torch.bfloat16)):
+        with pytest.raises(ValueError, match="bfloat16 is not supported on device cpu"):
+            build_whisper(dims, random_state(dims), "cpu", dtype=dtype, decoder_dtype=decoder_dtype)
+    with pytest.raises(ValueError, match="float16 is not supported on device cpu"):
+        build_whisper(dims, random_state(dims), "cpu", cross_dtype=torch.float16)
+
+
 def test_the_bundled_base_gives_fp32s_words_over_a_bf16_cache():
     """Real speech: the same text as the fp32 cache (all 100 test-other files agreed, and 9 of
     15,562 words over the 486 shared files), and the startup note says which cache it runs."""
