@@ -4,8 +4,14 @@ Why: on the AMD EPYC (Zen 5) machines we measure on, PyTorch's default fp32 GEMM
 at ~40-75 GFLOP/s per 2 cores, while oneDNN's matmul on a weight reordered once into its
 blocked layout reaches ~100-190 GFLOP/s on the same shapes: the encoder is >90% GEMM, so this
 is its biggest single speed-up (on an Intel Xeon with AVX-512, MKL's fp32 GEMM already runs at
-~220-300 GFLOP/s per 2 cores and packing changes nothing). Results equal `F.linear` up to fp32
-rounding (~1e-6). A bf16 weight packs the same way; oneDNN accumulates in fp32 and rounds the
+~220-300 GFLOP/s per 2 cores and packing changes nothing). On an AVX2-only AMD EPYC (Zen 3)
+MKL wins at encoder sizes instead (FastConformer's [rows, 1024 -> 4096 -> 1024] feed-forward
+pair 1.15-1.29x faster than packed from 256 to 3000 rows), while packed still wins at a
+streaming step's few rows (2x at 8 rows): so FastConformer's fp32 encoder layers are packed
+only where `packing_pays` times it faster for an offline batch. (Whisper base's encoder timed
+a tie there, 3.21 s plain against 3.26 s packed for 2 windows: it stays packed.)
+
+Results equal `F.linear` up to fp32 rounding (~1e-6). A bf16 weight packs the same way; oneDNN accumulates in fp32 and rounds the
 output to bf16. Whether bf16 is faster depends on the CPU, not only on its flags: ~1.9x on the
 EPYC, but 0.55x on an Intel Xeon with AVX512_BF16 and no AMX (~165 GFLOP/s against fp32's
 ~300), so `bf16_gemm_pays` times both once before anything picks bf16 by itself.
@@ -22,6 +28,7 @@ import platform
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engines.cpu_threads import best_seconds
@@ -33,6 +40,8 @@ M_HINT = 512
 # oneDNN post-ops fused into the GEMM (swish = SiLU), with the algorithm argument each takes:
 # "none" selects GELU's exact erf form (nn.GELU's default, which Whisper uses).
 ACTIVATIONS = {"none": "", "relu": "", "swish": "", "gelu": "none"}
+# ... and each as the separate op an unpacked linear is followed by.
+PLAIN_ACTIVATIONS = {"none": lambda x: x, "relu": F.relu, "swish": F.silu, "gelu": F.gelu}
 
 
 # Weight dtypes oneDNN packs, with the tolerance of the self-test (bf16 rounds the output).
@@ -96,6 +105,50 @@ def bf16_gemm_pays(rounds: int = 3) -> bool:
     pays = best[torch.bfloat16] < PROBE_MARGIN * best[torch.float32]
     log.debug("bf16 packed GEMM %.1f ms, fp32 %.1f ms: bf16 %s", 1e3 * best[torch.bfloat16],
               1e3 * best[torch.float32], "pays" if pays else "does not pay")
+    return pays
+
+
+# The GEMMs `packing_pays` times: an encoder's feed-forward pair over ENCODER_ROWS rows (an
+# offline encoder block runs hundreds to thousands). Packing is dropped only where F.linear
+# needs under PACKING_MARGIN of packed's time: within 5 % either is as good, and packing was
+# the only path before the probe (on the Zen 5 EPYC it is 2-3x faster). On the Zen 3 EPYC the
+# probe measured F.linear at 0.88-0.92 of packed's time, the whole 618M encoder at 0.81.
+ENCODER_ROWS = 512
+PACKING_MARGIN = 0.95
+
+
+def probe_pair(in_features: int, hidden: int, rows: int, activation: str) -> dict[str, Callable[[], object]]:
+    """A feed-forward pair x [rows, in_features] -> hidden -> `activation` -> in_features as
+    "packed" (PackedLinear, the activation fused) and "plain" (F.linear, then the activation),
+    as callables to time (each run once here: oneDNN primitive creation and MKL's first-call
+    setup stay outside any timing)."""
+    gen = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(hidden, in_features, generator=gen), torch.randn(in_features, hidden, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    p1, p2 = PackedLinear(w1, None, activation), PackedLinear(w2, None)
+    act = PLAIN_ACTIVATIONS[activation]
+    runs = {"packed": lambda: p2(p1(x)), "plain": lambda: F.linear(act(F.linear(x, w1)), w2)}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()
+    return runs
+
+
+@functools.cache
+def packing_pays(in_features: int, hidden: int, activation: str, rows: int = ENCODER_ROWS, rounds: int = 3) -> bool:
+    """Whether an fp32 encoder's linears run faster packed for oneDNN than through F.linear
+    (MKL) on this CPU, timed once per process and shape over `probe_pair` (packed and plain
+    interleaved, best of `rounds`: cpu_threads.best_seconds; ~0.4 s for FastConformer's
+    1024 -> 4096, ~0.1 s for Whisper base's 512 -> 2048). True unless F.linear needs under
+    PACKING_MARGIN of packed's time; False where oneDNN packs no fp32 here."""
+    if not onednn_linear_available(torch.float32):
+        return False
+    with torch.inference_mode():
+        best = best_seconds(probe_pair(in_features, hidden, rows, activation), rounds)
+    pays = not best["plain"] < PACKING_MARGIN * best["packed"]
+    log.debug("fp32 GEMMs [%d, %d -> %d -> %s -> %d]: packed %.1f ms, F.linear %.1f ms: %s", rows, in_features,
+              hidden, activation, in_features, 1e3 * best["packed"], 1e3 * best["plain"],
+              "packed" if pays else "F.linear")
     return pays
 
 
