@@ -11,10 +11,11 @@ streaming step's few rows (2x at 8 rows): so FastConformer's fp32 encoder layers
 only where `packing_pays` times it faster for an offline batch. (Whisper base's encoder timed
 a tie there, 3.21 s plain against 3.26 s packed for 2 windows: it stays packed.)
 
-Results equal `F.linear` up to fp32 rounding (~1e-6). A bf16 weight packs the same way; oneDNN accumulates in fp32 and rounds the
-output to bf16. Whether bf16 is faster depends on the CPU, not only on its flags: ~1.9x on the
-EPYC, but 0.55x on an Intel Xeon with AVX512_BF16 and no AMX (~165 GFLOP/s against fp32's
-~300), so `bf16_gemm_pays` times both once before anything picks bf16 by itself.
+Results equal `F.linear` up to fp32 rounding (~1e-6). A bf16 weight packs the same way;
+oneDNN accumulates in fp32 and rounds the output to bf16. Whether bf16 is faster depends on
+the CPU, not only on its flags: ~1.9x on the Zen 5 EPYC, but 0.55x on an Intel Xeon with
+AVX512_BF16 and no AMX (~165 GFLOP/s against fp32's ~300), so `bf16_gemm_pays` times both
+once before anything picks bf16 by itself.
 
 The packed weight is an opaque `torch._mkldnn` tensor held as a plain attribute (not a
 parameter or buffer: `state_dict`, `.to()` and ONNX export cannot handle it), so a packed model
@@ -138,9 +139,9 @@ def probe_pair(in_features: int, hidden: int, rows: int, activation: str) -> dic
 def packing_pays(in_features: int, hidden: int, activation: str, rows: int = ENCODER_ROWS, rounds: int = 3) -> bool:
     """Whether an fp32 encoder's linears run faster packed for oneDNN than through F.linear
     (MKL) on this CPU, timed once per process and shape over `probe_pair` (packed and plain
-    interleaved, best of `rounds`: cpu_threads.best_seconds; ~0.4 s for FastConformer's
-    1024 -> 4096, ~0.1 s for Whisper base's 512 -> 2048). True unless F.linear needs under
-    PACKING_MARGIN of packed's time; False where oneDNN packs no fp32 here."""
+    interleaved, best of `rounds`: cpu_threads.best_seconds; ~0.65 s for the 618M model's
+    1024 -> 4096 on 2 Zen 3 cores). True unless F.linear needs under PACKING_MARGIN of packed's
+    time; False where oneDNN packs no fp32 here."""
     if not onednn_linear_available(torch.float32):
         return False
     with torch.inference_mode():

@@ -501,9 +501,9 @@ def build_whisper(dims: WhisperDims, state: dict[str, Tensor], device: str | tor
     LayerNorms' in fp32, each converted from the checkpoint's own dtype; the decoder's
     cross-attention cache is stored in `cross_dtype` (None: `decoder_dtype`). Each dtype is
     checked against the device first (engines.precision.check_dtype, check_cache_dtype for the
-    cache: ValueError). On the CPU the
-    linears are then packed (`pack_linears`): the model is for inference only; and the encoder's
-    attention kernel is the one timed faster on this CPU (`encoder_attention_kernel`)."""
+    cache: ValueError). On the CPU the linears are then packed (`pack_linears`): the model is for
+    inference only; and the encoder's attention kernel is the one timed faster on this CPU
+    (`encoder_attention_kernel`)."""
     device = torch.device(device)
     decoder_dtype = decoder_dtype or dtype
     cross_dtype = cross_dtype or decoder_dtype

@@ -75,8 +75,8 @@ class StreamingModel:
         if encoder_backend not in STREAM_BACKENDS:
             raise OptionError(f"--encoder-backend {encoder_backend!r}: streaming takes one of {', '.join(STREAM_BACKENDS)}")
         self.engine = engine
-        if str(engine.device) == "cpu":  # a step's tens of rows run faster packed (ConformerEncoder.pack_layers)
-            engine.encoder.pack_layers()
+        if str(engine.device) == "cpu" and engine.encoder_backend.name == "torch":
+            engine.encoder.pack_layers()  # a step's tens of rows run faster packed (see pack_layers)
         self.logmel = LogMel(engine.feature_cfg, torch.from_numpy(engine.frontend.window),
                              torch.from_numpy(engine.frontend.fb))
         self.sample_rate = engine.sample_rate
