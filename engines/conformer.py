@@ -235,7 +235,7 @@ class ConformerEncoder(nn.Module):
         """The subsampling's GEMMs packed; the layers' too where that is faster here: always in
         bf16 (oneDNN's packed GEMM is its fast path), in fp32 where `packing_pays` times packed
         GEMMs of a feed-forward pair over an offline batch's rows faster than F.linear (not on
-        an AVX2-only Zen 3 EPYC: the 618M encoder ran 1.2x faster unpacked there)."""
+        an AVX2-only Zen 3 EPYC: the 618M encoder stage ran 1.1x faster unpacked there)."""
         for layer in self.layers:
             attn = layer.self_attn
             attn.onednn = onednn_linear_available(self.dtype) and attn.pos_bias_u.device.type == "cpu"

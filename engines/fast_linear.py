@@ -6,7 +6,7 @@ blocked layout reaches ~100-190 GFLOP/s on the same shapes: the encoder is >90% 
 is its biggest single speed-up (on an Intel Xeon with AVX-512, MKL's fp32 GEMM already runs at
 ~220-300 GFLOP/s per 2 cores and packing changes nothing). On an AVX2-only AMD EPYC (Zen 3)
 MKL wins at encoder sizes instead (FastConformer's [rows, 1024 -> 4096 -> 1024] feed-forward
-pair 1.15-1.29x faster than packed from 256 to 3000 rows), while packed still wins at a
+pair 1.15-1.24x faster than packed from 256 to 3000 rows), while packed still wins at a
 streaming step's few rows (2x at 8 rows): so FastConformer's fp32 encoder layers are packed
 only where `packing_pays` times it faster for an offline batch. (Whisper base's encoder timed
 a tie there, 3.21 s plain against 3.26 s packed for 2 windows: it stays packed.)
