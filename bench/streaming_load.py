@@ -57,6 +57,8 @@ def _start_server(model: str, port: int, max_streams: int, device: str, dtype: s
     # captured before the server listens.
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
+        if proc.poll() is not None:  # it failed to load: its error is above, no use waiting
+            raise RuntimeError(f"server exited with status {proc.returncode} before listening")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return proc
