@@ -59,6 +59,13 @@ class SlotPool:
         self._reset(slot)
         self._free.append(slot)
 
+    def reset(self, slot: int) -> None:
+        """The slot's state back to a new stream's, whoever holds it: `transcribe serve`'s engine
+        process resets the slots its server process released (which hands out the indices)."""
+        if not 0 <= slot < self.max_streams:
+            raise ValueError(f"slot {slot} is outside the pool (0..{self.max_streams - 1})")
+        self._reset(slot)
+
     def _reset(self, slot: int) -> None:
         raise NotImplementedError  # each pool resets its own per-slot tensors
 
@@ -110,15 +117,16 @@ class DecoderSlots:
         # The token loop with the decoder's CPU threads (1 until measured), as offline: in `serve`
         # the event loop shares the cores, and with all threads the 100-stream CPU load's
         # decoder stage took 4.8-5.2 s instead of 3.9-4.1 (each small op ends in a barrier).
+        # (the state's gathers and scatters too: small ops, as the loop's)
         with decoder_threads(self.device, self.decoder.cpu_threads):
             hyps, (h, c, pred_out, time) = self.graphs.resume(
                 enc_proj, enc_len, self.h.index_select(1, idx), self.c.index_select(1, idx),
                 self.pred_out.index_select(0, idx), self.time_jump.index_select(0, idx))
-        self.h.index_copy_(1, idx, h)  # same as: h[:, idx] = h
-        self.c.index_copy_(1, idx, c)
-        self.pred_out.index_copy_(0, idx, pred_out)
-        # Every row ends inactive (time >= length): what is past the end starts the next chunk.
-        self.time_jump.index_copy_(0, idx, time - enc_len)  # same as: time_jump[idx] = time - len
-        offsets = self.frames.index_select(0, idx).tolist()
-        self.frames.index_add_(0, idx, enc_len)  # same as: frames[idx] += enc_len
+            self.h.index_copy_(1, idx, h)  # same as: h[:, idx] = h
+            self.c.index_copy_(1, idx, c)
+            self.pred_out.index_copy_(0, idx, pred_out)
+            # Every row ends inactive (time >= length): what is past the end starts the next chunk.
+            self.time_jump.index_copy_(0, idx, time - enc_len)  # same as: time_jump[idx] = time - len
+            offsets = self.frames.index_select(0, idx).tolist()
+            self.frames.index_add_(0, idx, enc_len)  # same as: frames[idx] += enc_len
         return [Hypothesis(h.tokens, [f + off for f in h.frames], h.durations) for h, off in zip(hyps, offsets)]

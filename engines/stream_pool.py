@@ -109,11 +109,15 @@ class StreamPool(SlotPool):
         if not chunks:
             return []
         t = time.perf_counter()
-        idx = torch.tensor([ch.slot for ch in chunks], dtype=torch.int64, device=self.device)
-        feats, lengths = pad_features([ch.features for ch in chunks], self.device)
-        drop = torch.tensor([0 if ch.first else self.encoder.cfg.drop_extra for ch in chunks],
-                            dtype=torch.int64, device=self.device)
-        att_len = self.att_len.index_select(0, idx)
+        # The gathers and pads of a step are tens of KB: on the CPU more threads only add an
+        # OpenMP barrier to each, which on a loaded machine waits for a descheduled thread (100
+        # real-time 60 s streams on the 2-core VM: this stage 2.6-2.7 s with both, 0.36-0.39 s with one).
+        with decoder_threads(self.device, 1):
+            idx = torch.tensor([ch.slot for ch in chunks], dtype=torch.int64, device=self.device)
+            feats, lengths = pad_features([ch.features for ch in chunks], self.device)
+            drop = torch.tensor([0 if ch.first else self.encoder.cfg.drop_extra for ch in chunks],
+                                dtype=torch.int64, device=self.device)
+            att_len = self.att_len.index_select(0, idx)
         t = self.stage_seconds.lap("batch", t)
         if self.attention_kernel == "triton":
             try:
@@ -125,12 +129,14 @@ class StreamPool(SlotPool):
             else:
                 self.att_len.index_copy_(0, idx, new_len)
                 return self._decode(idx, enc, enc_len, self.stage_seconds.lap("encoder", t))
-        caches = EncoderCaches(self.att.index_select(1, idx), self.conv.index_select(1, idx), att_len)
+        with decoder_threads(self.device, 1):
+            caches = EncoderCaches(self.att.index_select(1, idx), self.conv.index_select(1, idx), att_len)
         with decoder_threads(self.device, self.encoder_threads):
             enc, enc_len, nxt = self.encoder.step(feats, lengths, drop, caches)
-        self.att.index_copy_(1, idx, nxt.att)  # same as: att[:, idx] = nxt.att
-        self.conv.index_copy_(1, idx, nxt.conv)
-        self.att_len.index_copy_(0, idx, nxt.att_len)
+        with decoder_threads(self.device, 1):
+            self.att.index_copy_(1, idx, nxt.att)  # same as: att[:, idx] = nxt.att
+            self.conv.index_copy_(1, idx, nxt.conv)
+            self.att_len.index_copy_(0, idx, nxt.att_len)
         return self._decode(idx, enc, enc_len, self.stage_seconds.lap("encoder", t))
 
     def _decode(self, idx: Tensor, enc: Tensor, enc_len: Tensor, t: float) -> list[Hypothesis]:

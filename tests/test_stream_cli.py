@@ -121,6 +121,51 @@ def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
         server.kill()
 
 
+def test_a_stop_signal_to_the_whole_process_group_is_a_clean_stop_and_leaves_no_process():
+    """systemd's stop (and a terminal's ^C) signal every process of the group, the engine
+    process (engine_process.py) too, here while steps run back to back: the stop is the clean
+    one (143, the client told "shutdown"), not an engine failure (1), and no process of the
+    group outlives the server."""
+    import base64
+    import os
+
+    server = subprocess.Popen([sys.executable, "-m", "transcribe.cli", "serve", "--model", MODEL, "--port", "0"],
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        port = int(re.search(r" INFO listening on [^ ]+:(\d+)", server.stderr.readline()).group(1))
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        pcm = (np.sin(np.arange(16000 * 20) / 9.0) * 8000).astype("<i2").tobytes()
+        audio = json.dumps({"type": "audio", "data": base64.b64encode(pcm).decode()}) + "\n"
+        client.sendall((json.dumps({"type": "hello", "stream_id": "a", "sample_rate": 16000, "format": "pcm16"})
+                        + "\n" + audio * 5).encode())  # 100 s at once: steps run back to back for a while
+        reader = client.makefile("r")
+        assert json.loads(reader.readline())["type"] == "ready"
+        assert json.loads(reader.readline())["type"] in ("segment", "partial")  # a step has run
+        os.killpg(server.pid, signal.SIGTERM)
+        _, err = server.communicate(timeout=60)
+        assert server.returncode == 143 and "Traceback" not in err and "engine" not in err.lower(), err
+        rest = [json.loads(line) for line in reader.read().splitlines()]
+        assert rest[-1]["type"] == "error" and rest[-1]["code"] == "shutdown", rest
+        client.close()
+        left = []
+        for _ in range(50):  # the engine process exits once the server has closed its pipe
+            left = [d for d in os.listdir("/proc") if d.isdigit() and _pgid(int(d)) == server.pid]
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, left
+    finally:
+        server.kill()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def test_a_server_started_with_sigint_ignored_keeps_ignoring_it():
     """`serve ... &` from a script starts with SIGINT ignored: a ^C meant for the shell must not
     stop it. SIGTERM still does (143)."""

@@ -129,8 +129,14 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: in
     defaults); encoder_backend: the chunked pool's (auto: CUDA graphs on CUDA). Returns the exit status: 128 + the signal that stopped it, or 1 when the engine
     died of a bug (the server stops rather than leave every stream waiting). log_level: ours
     (`log_to_stderr`)."""
+    from transcribe.streaming.engine_process import RemotePool
+
     log_to_stderr(LOG_LEVELS[log_level], "%(asctime)s %(levelname)s %(message)s")
-    sm = load_streaming_model(model, chunk_ms, left_ms, right_ms, device, dtype, encoder_backend)
     cfg = ServerConfig(host=host, port=port, ws_port=ws_port, max_streams=max_streams,
                        max_waiting=max_waiting, idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s)
-    return asyncio.run(serve_forever(sm, cfg))
+    # The model and its pool in a process of their own, the event loop here (engine_process.py:
+    # beside the event loop a step ran at a third of its speed, waiting for the GIL).
+    load_args = dict(model=model, chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms, device=device, dtype=dtype,
+                     encoder_backend=encoder_backend)
+    with RemotePool(load_args, max_streams, LOG_LEVELS[log_level]) as pool:
+        return asyncio.run(serve_forever(pool.front, cfg, pool))

@@ -9,7 +9,7 @@ returns a slot (finish, error or disconnect) and admits the next waiting stream.
 whose own chunking or final update raises is closed as failed and reported by `take_failed`,
 so one stream's bad audio ends that stream, not the step or the server.
 Not thread-safe: the server calls everything from its event loop except
-`StreamingModel.run` (pure compute on the pool), and slots closed while a step runs are
+the pool's `step` (pure compute, in the engine process under `transcribe serve`), and slots closed while a step runs are
 released only after it (`begin_step` / `end_step`), so a step never writes a reused slot.
 """
 from __future__ import annotations
@@ -103,19 +103,28 @@ class StreamingModel:
             except ValueError as e:  # a --chunk-ms shorter than this model's encoder frame
                 raise OptionError(f"--chunk-ms/--left-context-ms/--right-context-ms: {e}") from None
 
+        self.front = StreamingFront(engine.tokenizer, engine.kind, engine.timing, self.logmel, self.sample_rate,
+                                    self.frame_samples, engine.feature_cfg.hop_length,
+                                    None if self.encoder is None else self.encoder.cfg, self.context, str(engine.device))
+
+    # What sessions and transcripts need is the front's (the server process holds only that).
     @property
     def mode(self) -> str:
-        return "cache-aware" if self.encoder is not None else "chunked"
+        return self.front.mode
+
+    @property
+    def device(self) -> str:
+        return self.front.device
 
     @property
     def step_seconds(self) -> float:
-        """Audio a stream holds beyond what it has decoded before its next step can run: the
-        chunk, and an offline-trained model's right context."""
-        if self.context is not None:
-            samples = (self.context.chunk + self.context.right) * self.frame_samples
-        else:
-            samples = max(self.encoder.cfg.chunk_frames) * self.engine.feature_cfg.hop_length
-        return samples / self.sample_rate
+        return self.front.step_seconds
+
+    def new_session(self, stream_id: str) -> StreamSession | ChunkedSession:
+        return self.front.new_session(stream_id)
+
+    def update(self, session: SessionBase, final: bool) -> Update:
+        return self.front.update(session, final)
 
     @classmethod
     def from_nemo(cls, path: str | Path, **context_ms: float | None) -> "StreamingModel":
@@ -148,12 +157,38 @@ class StreamingModel:
         backend.reserve(max_streams)
         return backend
 
+
+class StreamingFront:
+    """The half of a `StreamingModel` that makes sessions (features, chunking) and turns their
+    tokens into transcripts: no weights, no pool. `transcribe serve` keeps only this in its
+    event-loop process, the model and its pool living in the engine process
+    (`engine_process.py`), which sends it over (it pickles: tokenizer, log-mel tables, configs)."""
+
+    def __init__(self, tokenizer, kind: str, timing, logmel: LogMel, sample_rate: int, frame_samples: int,
+                 hop_length: int, encoder_cfg, context: ChunkContext | None, device: str):
+        self.tokenizer, self.kind, self.timing, self.logmel = tokenizer, kind, timing, logmel
+        self.sample_rate, self.frame_samples, self.hop_length = sample_rate, frame_samples, hop_length
+        self.encoder_cfg, self.context, self.device = encoder_cfg, context, device
+
+    @property
+    def mode(self) -> str:
+        return "cache-aware" if self.context is None else "chunked"
+
+    @property
+    def step_seconds(self) -> float:
+        """Audio a stream holds beyond what it has decoded before its next step can run: the
+        chunk, and an offline-trained model's right context."""
+        if self.context is not None:
+            samples = (self.context.chunk + self.context.right) * self.frame_samples
+        else:
+            samples = max(self.encoder_cfg.chunk_frames) * self.hop_length
+        return samples / self.sample_rate
+
     def new_session(self, stream_id: str) -> StreamSession | ChunkedSession:
-        e = self.engine
-        transcript = StreamTranscript(e.tokenizer, e.kind, e.timing)
+        transcript = StreamTranscript(self.tokenizer, self.kind, self.timing)
         if self.context is not None:
             return ChunkedSession(stream_id, self.sample_rate, self.frame_samples, self.context, transcript)
-        return StreamSession(stream_id, IncrementalLogMel(self.logmel), self.encoder.cfg, transcript)
+        return StreamSession(stream_id, IncrementalLogMel(self.logmel), self.encoder_cfg, transcript)
 
     def update(self, session: SessionBase, final: bool) -> Update:
         """The transcript's new segments, open tail and (when `final`) the whole of it, in
@@ -167,9 +202,13 @@ class StreamingModel:
 class Scheduler:
     """See the module docstring."""
 
-    def __init__(self, model: StreamingModel, cfg: SchedulerConfig):
+    def __init__(self, model: StreamingModel | StreamingFront, cfg: SchedulerConfig, pool=None):
+        """pool: the slot pool to step (a `StreamPool`, `ChunkedStreamPool`, or the engine
+        process's `RemotePool`, of `cfg.max_streams` slots); None: `model.new_pool`, here."""
         self.model, self.cfg = model, cfg
-        self.pool = model.new_pool(cfg.max_streams)
+        self.pool = model.new_pool(cfg.max_streams) if pool is None else pool
+        if self.pool.max_streams < cfg.max_streams:
+            raise ValueError(f"the pool has {self.pool.max_streams} slots, fewer than max_streams={cfg.max_streams}")
         self.active: dict[str, SessionBase] = {}
         self.waiting: collections.deque[SessionBase] = collections.deque()
         self._stepping = False

@@ -4,12 +4,14 @@ also as binary PCM frames).
 
 Both transports are thin adapters (`_TcpTransport`, `_WsTransport`: receive a message, send a
 message, abort, close) around one per-connection handler, so admission, errors, timeouts and
-slot release are the same code. One event loop does all socket I/O and scheduling; the batched pool step runs in one worker
-thread (torch releases the GIL), so reading audio and sending results go on while the model
-computes. Every client has a bounded outgoing queue: a client that does not read its results
-(queue full, or one send blocked for `send_timeout_s`) or sends nothing for `idle_timeout_s`
-while it holds a slot is dropped, and its slot returns to the pool. A stream queued for a slot
-has no timeout: the server is the one keeping it waiting.
+slot release are the same code. One event loop does all socket I/O and scheduling; the
+batched pool step is waited for in one worker thread, so reading audio and sending results go
+on while the model computes. Under `transcribe serve` the pool is the engine process's
+(`engine_process.RemotePool`): the step's thousands of small torch ops run there, not waiting
+for this loop's GIL. Every client has a bounded outgoing queue: a client that does not read
+its results (queue full, or one send blocked for `send_timeout_s`) or sends nothing for
+`idle_timeout_s` while it holds a slot is dropped, and its slot returns to the pool. A stream
+queued for a slot has no timeout: the server is the one keeping it waiting.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from transcribe import heap
 from transcribe.streaming import protocol as P
-from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
+from transcribe.streaming.engine_process import EngineDied
+from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingFront, StreamingModel
 from transcribe.streaming.session import SessionBase, SessionState
 from transcribe.streaming.stats import StepStats
 
@@ -163,9 +166,10 @@ class _Client:
 
 
 class StreamServer:
-    def __init__(self, model: StreamingModel, cfg: ServerConfig):
+    def __init__(self, model: StreamingModel | StreamingFront, cfg: ServerConfig, pool=None):
+        """pool: see `Scheduler` (`transcribe serve` passes the engine process's)."""
         self.model, self.cfg = model, cfg
-        self.scheduler = Scheduler(model, SchedulerConfig(cfg.max_streams, cfg.max_waiting))
+        self.scheduler = Scheduler(model, SchedulerConfig(cfg.max_streams, cfg.max_waiting), pool)
         self._clients: dict[str, _Client] = {}
         self._handlers: dict[asyncio.Task, _Client] = {}  # every connection, hello or not (for stop)
         self._stopping = False
@@ -406,7 +410,7 @@ class StreamServer:
 
     def _stats(self) -> dict:
         sched = self.scheduler
-        return self.stats.snapshot(mode=self.model.mode, device=str(self.model.engine.device),
+        return self.stats.snapshot(mode=self.model.mode, device=self.model.device,
                                    max_streams=self.cfg.max_streams, active=len(sched.active),
                                    waiting=len(sched.waiting), free_slots=sched.pool.free_slots)
 
@@ -443,6 +447,8 @@ class StreamServer:
                     break
                 try:
                     await self._step(sessions, chunks)
+                except EngineDied:  # no engine, no more steps: the server stops (_engine_ended)
+                    raise
                 except Exception as e:  # a failed step fails its streams, not the server
                     log.exception("stream step failed")
                     self._fail(sessions, _describe(e))
@@ -518,11 +524,11 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
-async def serve_forever(model: StreamingModel, cfg: ServerConfig) -> int:
+async def serve_forever(model: StreamingModel | StreamingFront, cfg: ServerConfig, pool=None) -> int:
     """Serve until SIGINT or SIGTERM, or until the engine dies of a bug; returns the exit
     status (128 + the signal, or 1) once every connection is closed (their streams' slots
     freed) and every handler has finished, so a stop prints no cancellation tracebacks."""
-    server = StreamServer(model, cfg)
+    server = StreamServer(model, cfg, pool)
     host, port = await server.start()
     loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
     for sig in (signal.SIGINT, signal.SIGTERM):  # before "listening": a signal on that line stops cleanly
