@@ -114,3 +114,27 @@ def drive_staggered(sched: Scheduler, samples: list, paces: list[int], inspect, 
         if len(sessions) == len(samples) and all(s.state == SessionState.DONE for s in sessions.values()):
             break
     return sessions, texts
+
+
+def serve_until_it_stops(model, cfg: ServerConfig, first_bytes: bytes, pool=None) -> tuple[list[dict], int]:
+    """`serve_forever` on cfg.port, one client sending `first_bytes`, reading every message
+    until the server closes its connection -> (the messages, serve_forever's exit status)."""
+    from transcribe.streaming.server import serve_forever
+
+    async def main():
+        server = asyncio.ensure_future(serve_forever(model, cfg, pool))
+        for _ in range(100):
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", cfg.port)
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        writer.write(first_bytes)
+        await writer.drain()
+        msgs = []
+        while line := await asyncio.wait_for(reader.readline(), 10.0):
+            msgs.append(json.loads(line))
+        writer.close()
+        return msgs, await asyncio.wait_for(server, 10.0)
+
+    return asyncio.run(main())

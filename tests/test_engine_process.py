@@ -4,8 +4,6 @@ themselves, a failed step fails only that step, and an engine process that dies 
 with 1, each client told why."""
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import signal
 import socket
@@ -20,10 +18,10 @@ from engines.stream_pool import ChunkInput
 from transcribe.streaming import protocol as P
 from transcribe.streaming.engine_process import EngineDied, RemotePool, StepFailed
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig
-from transcribe.streaming.server import ServerConfig, serve_forever
+from transcribe.streaming.server import ServerConfig
 from transcribe.streaming.session import SessionState
 
-from streaming_fixtures import VARIANT, drive_staggered, files  # noqa: F401  (fixtures)
+from streaming_fixtures import VARIANT, drive_staggered, files, serve_until_it_stops  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 MODEL = str(VARIANT / "model.nemo")
@@ -100,24 +98,9 @@ def test_an_engine_process_that_dies_stops_the_server_with_1(files):
         os.kill(pool.process.pid, signal.SIGKILL)
         pool.process.join(10.0)
 
-        async def main():
-            server = asyncio.ensure_future(serve_forever(pool.front, ServerConfig(port=port, max_streams=2), pool))
-            for _ in range(100):
-                try:
-                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                    break
-                except OSError:
-                    await asyncio.sleep(0.05)
-            writer.write(P.encode({"type": "hello", "stream_id": "a", "sample_rate": 16000, "format": "pcm16"})
-                         + P.encode(P.audio_message(files[0]["samples"][:32000])))
-            await writer.drain()
-            msgs = []
-            while line := await asyncio.wait_for(reader.readline(), 10.0):
-                msgs.append(json.loads(line))
-            writer.close()
-            return msgs, await asyncio.wait_for(server, 10.0)
-
-        msgs, status = asyncio.run(main())
+        hello = P.encode({"type": "hello", "stream_id": "a", "sample_rate": 16000, "format": "pcm16"})
+        msgs, status = serve_until_it_stops(pool.front, ServerConfig(port=port, max_streams=2),
+                                            hello + P.encode(P.audio_message(files[0]["samples"][:32000])), pool)
         with pytest.raises(EngineDied):
             pool.step([])
     assert status == 1

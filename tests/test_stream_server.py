@@ -13,7 +13,7 @@ from transcribe.streaming import protocol as P
 from transcribe.streaming.client import server_stats, stream_audio
 from transcribe.streaming.server import ServerConfig
 
-from streaming_fixtures import files, model, serve_and_check  # noqa: F401  (fixtures)
+from streaming_fixtures import files, model, serve_and_check, serve_until_it_stops  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
@@ -400,7 +400,6 @@ def test_an_engine_dying_outside_a_step_stops_the_server_with_1(model, files, mo
     would leave every stream to its timeout, so the server stops, each client told why, and
     serve_forever returns 1 (the exit status)."""
     from transcribe.streaming.scheduler import Scheduler
-    from transcribe.streaming.server import serve_forever
 
     def broken(self):
         raise KeyError("a bug outside the step")
@@ -410,23 +409,8 @@ def test_an_engine_dying_outside_a_step_stops_the_server_with_1(model, files, mo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
 
-    async def main():
-        server = asyncio.ensure_future(serve_forever(model, ServerConfig(port=port, max_streams=2)))
-        for _ in range(100):
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
-        writer.write(_hello("a") + P.encode(P.audio_message(files[0]["samples"][:32000])))
-        await writer.drain()
-        msgs = []
-        while line := await asyncio.wait_for(reader.readline(), 10.0):
-            msgs.append(json.loads(line))
-        writer.close()
-        return msgs, await asyncio.wait_for(server, 10.0)
-
-    msgs, status = asyncio.run(main())
+    msgs, status = serve_until_it_stops(model, ServerConfig(port=port, max_streams=2),
+                                        _hello("a") + P.encode(P.audio_message(files[0]["samples"][:32000])))
     assert status == 1
     assert msgs[-1]["code"] == "internal" and "KeyError" in msgs[-1]["message"], msgs
 
