@@ -8,9 +8,10 @@ transcript updates (committed segments, the open tail, the final: `transcript.py
 returns a slot (finish, error or disconnect) and admits the next waiting stream. A stream
 whose own chunking or final update raises is closed as failed and reported by `take_failed`,
 so one stream's bad audio ends that stream, not the step or the server.
-Not thread-safe: the server calls everything from its event loop except
-the pool's `step` (pure compute, in the engine process under `transcribe serve`), and slots closed while a step runs are
-released only after it (`begin_step` / `end_step`), so a step never writes a reused slot.
+Not thread-safe: the server calls everything from its event loop except the pool's `step`
+(pure compute, in the engine process under `transcribe serve`), and slots closed while a step
+runs are released only after it (`begin_step` / `end_step`), so a step never writes a reused
+slot.
 """
 from __future__ import annotations
 
@@ -204,7 +205,7 @@ class Scheduler:
 
     def __init__(self, model: StreamingModel | StreamingFront, cfg: SchedulerConfig, pool=None):
         """pool: the slot pool to step (a `StreamPool`, `ChunkedStreamPool`, or the engine
-        process's `RemotePool`, of `cfg.max_streams` slots); None: `model.new_pool`, here."""
+        process's `RemotePool`, of at least `cfg.max_streams` slots); None: `model.new_pool`, here."""
         self.model, self.cfg = model, cfg
         self.pool = model.new_pool(cfg.max_streams) if pool is None else pool
         if self.pool.max_streams < cfg.max_streams:
