@@ -41,6 +41,7 @@ import torch
 
 from engines.decode_stages import Hypothesis
 from engines.slot_pool import SlotPool
+from transcribe.streaming.protocol import describe
 
 log = logging.getLogger("transcribe")
 READY_POLL_S = 0.5  # how often the wait for a loading engine checks that it is still alive
@@ -76,7 +77,7 @@ def _picklable(e: BaseException) -> BaseException:
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}")
+        return RuntimeError(describe(e))
 
 
 def _engine_main(conn, load_args: dict, max_streams: int, log_level: int) -> None:
@@ -113,7 +114,7 @@ def _engine_main(conn, load_args: dict, max_streams: int, log_level: int) -> Non
             hyps = pool.step([_from_wire(c) for c in chunks])
         except Exception as e:
             log.exception("stream step failed")
-            answer = ("error", f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            answer = ("error", describe(e))
         else:
             answer = ("ok", hyps, dict(pool.stage_seconds))
         try:
@@ -162,8 +163,11 @@ class RemotePool(SlotPool):
         try:
             return self._conn.recv()
         except (EOFError, OSError):
-            self.process.join(5.0)
-            raise EngineDied(f"the engine process exited (status {self.process.exitcode})") from None
+            raise self._died() from None
+
+    def _died(self) -> EngineDied:
+        self.process.join(5.0)  # its exit status, once it has one
+        return EngineDied(f"the engine process exited (status {self.process.exitcode})")
 
     def _reset(self, slot: int) -> None:
         with self._lock:
@@ -175,9 +179,8 @@ class RemotePool(SlotPool):
             resets, self._resets = self._resets, []
         try:
             self._conn.send((resets, [_to_wire(c) for c in chunks]))
-        except (BrokenPipeError, ConnectionError, OSError):
-            self.process.join(5.0)
-            raise EngineDied(f"the engine process exited (status {self.process.exitcode})") from None
+        except OSError:  # BrokenPipeError, ConnectionError: it is gone
+            raise self._died() from None
         answer = self._recv_waiting()
         if answer[0] == "error":
             raise StepFailed(answer[1])

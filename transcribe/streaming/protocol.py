@@ -171,6 +171,11 @@ def update_messages(stream_id: str, update: Update, audio_seconds: float) -> lis
     return out
 
 
+def describe(e: BaseException) -> str:
+    """An exception as an error message says it: its type, and its text when it has one."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def error_message(code: str, message: str) -> dict[str, Any]:
     return {"type": "error", "code": code, "message": message}
 

@@ -223,7 +223,7 @@ class StreamServer:
         if self.engine_failure is None:
             goodbye = P.error_message("shutdown", "the server is shutting down")
         else:
-            goodbye = P.error_message("internal", f"the server's engine failed: {_describe(self.engine_failure)}")
+            goodbye = P.error_message("internal", f"the server's engine failed: {P.describe(self.engine_failure)}")
         for client in list(self._handlers.values()):
             self._drop(client, goodbye)
         if self._handlers:
@@ -451,7 +451,7 @@ class StreamServer:
                     raise
                 except Exception as e:  # a failed step fails its streams, not the server
                     log.exception("stream step failed")
-                    self._fail(sessions, _describe(e))
+                    self._fail(sessions, P.describe(e))
                 heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
             self._deliver(sched.finish_idle())
             self._fail_own_errors()
@@ -459,8 +459,8 @@ class StreamServer:
     def _fail_own_errors(self) -> None:
         """Streams whose own chunking or final update raised (the scheduler closed them)."""
         for session, e in self.scheduler.take_failed():
-            log.error("stream %s failed: %s", session.stream_id, _describe(e), exc_info=e)
-            self._fail([session], _describe(e))
+            log.error("stream %s failed: %s", session.stream_id, P.describe(e), exc_info=e)
+            self._fail([session], P.describe(e))
 
     async def _step(self, sessions: list[SessionBase], chunks: list) -> None:
         """One batched pool step (in the worker thread) and its results sent."""
@@ -488,7 +488,7 @@ class StreamServer:
         if task.cancelled():
             return
         self.engine_failure = task.exception()
-        log.critical("the streaming engine stopped: %s", _describe(self.engine_failure),
+        log.critical("the streaming engine stopped: %s", P.describe(self.engine_failure),
                      exc_info=self.engine_failure)
         self.broken.set()
 
@@ -518,10 +518,6 @@ class StreamServer:
         client reconnecting while a step of the old stream ran)."""
         client = self._clients.get(session.stream_id)
         return client if client is not None and client.session is session else None
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 async def serve_forever(model: StreamingModel | StreamingFront, cfg: ServerConfig, pool=None) -> int:
