@@ -41,7 +41,7 @@ _NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: Decode
 # The first H100 session (2026-11-22) saw the full-graph capture segfault; the second
 # (2026-11-23) found why: cuDNN's LSTM fails inside a conditional body's capture
 # (CUDNN_STATUS_INTERNAL_ERROR, reported by `cuda_conditional` before the driver crashed), so the
-# prediction network now steps through torch's own LSTM cell on CUDA (transducer.lstm_step_native).
+# prediction network now steps through torch's own LSTM cell (transducer.lstm_step_native).
 # Since then every fixture decodes to eager's tokens in full-graph, which was the fastest mode
 # there: decoder-only 3.98x eager against unrolled's (54 vs 70 ms a pass), RTFx 1036.7 vs 935.5.
 AUTO_ON_CUDA = DecodeMode.FULL_GRAPH

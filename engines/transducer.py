@@ -170,22 +170,23 @@ class PredictionNetwork(nn.Module):
              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """One label per item. labels [B] long; state (h, c) each [L, B, H] -> out [B, H], state."""
         lstm = self.prediction["dec_rnn"].lstm
-        emb = self.prediction["embed"](labels)
-        if emb.is_cuda:
-            return lstm_step_native(lstm, emb, state)
-        out, (h, c) = lstm(emb.unsqueeze(0), state)  # time-major [1, B, H]
-        return out.squeeze(0), (h, c)
+        return lstm_step_native(lstm, self.prediction["embed"](labels), state)
 
 
 def lstm_step_native(lstm: nn.LSTM, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One time step of `lstm` through torch's own LSTM cell (two GEMMs and one fused kernel per
-    layer on CUDA), never cuDNN's RNN: on the H100 (2026-11-23, torch 2.11, CUDA 13) cuDNN's LSTM
-    failed with CUDNN_STATUS_INTERNAL_ERROR while a conditional WHILE body was captured, which
-    crashed the full-graph decoder. Every CUDA decoder mode (eager, unrolled, full-graph) and the
-    streaming decoder run this same step, so their tokens stay identical. It also takes the
-    strided h[:, :B] views of reserved buffers that cuDNN rejected. x [B, H], state (h, c) each
-    [L, B, H] -> out [B, H], (h, c)."""
+    layer), never `nn.LSTM`'s cuDNN or oneDNN RNN, on every device, so every decoder mode and the
+    streaming decoder run this same step and their tokens stay identical.
+    - CUDA: on the H100 (2026-11-23, torch 2.11, CUDA 13) cuDNN's LSTM failed with
+      CUDNN_STATUS_INTERNAL_ERROR while a conditional WHILE body was captured, which crashed the
+      full-graph decoder. The cell also takes the strided h[:, :B] views of reserved buffers
+      that cuDNN rejected.
+    - CPU: a decoder step is one time step of a few rows, where `nn.LSTM` (oneDNN) costs far
+      more than the cell: on the 2-core Zen 3 EPYC (torch 2.13, 2026-11-28) 640 hidden x 2
+      layers took 20-31 ms a step at 1 row against 2.4-2.5 ms, 1.1-1.3x the cell's time at
+      8-32 rows, 1.4-1.6x at 128; the streaming fixture's 64 x 1 took 1.6-2.5x.
+    x [B, H], state (h, c) each [L, B, H] -> out [B, H], (h, c)."""
     h0, c0 = state
     hs, cs = [], []
     for layer in range(lstm.num_layers):
