@@ -69,6 +69,37 @@ def stream_alone(model: StreamingModel, audio, piece: int, after_step=None):
     return s, texts
 
 
+def updates_of(model: StreamingModel, audio, piece: int, pipelined: bool) -> list[tuple[str, float, bool]]:
+    """The whole file through one session, pushed in `piece`-sample pieces and ended, then
+    stepped: (transcript so far, the session's covered seconds, final?, the update's word
+    times) after each update.
+    `pipelined`: as the server steps, each step's tokens are added only after the next step's
+    chunk was taken and run, so the stream always has a chunk in flight when its tokens come."""
+    sched = Scheduler(model, SchedulerConfig(max_streams=1))
+    s = sched.open("a")
+    for i in range(0, audio.shape[0], piece):
+        s.push_audio(audio[i: i + piece])
+    s.end()
+    out, running, pending, most_in_flight = [], RunningText(), None, 0
+
+    def record(updates):
+        out.extend((running(u), s.covered_seconds, u.final is not None,
+                    [(w.start, w.end) for r in (*u.segments, u.open) for w in r.words]) for _, u in updates)
+
+    while s.state == SessionState.ACTIVE:
+        sessions, chunks = sched.collect()
+        most_in_flight = max(most_in_flight, len(s._in_flight))
+        step = (sessions, sched.pool.step(chunks)) if chunks else None
+        if pipelined:
+            step, pending = pending, step
+        if step is not None:
+            record(sched.apply(*step))
+        if pending is None:
+            record(sched.finish_idle())
+    assert most_in_flight == (2 if pipelined and len(out) > 1 else 1)
+    return out
+
+
 def serve_and_check(model: StreamingModel, cfg: ServerConfig, scenario):
     """Start a server (TCP, and WebSocket when cfg.ws_port is set), run
     `await scenario(server, (tcp host, tcp port))`, then check the pool is whole again: every

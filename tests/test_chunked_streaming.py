@@ -20,7 +20,7 @@ from engines.slot_pool import PoolExhausted
 from transcribe.bench import edit_distance
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import SessionState
-from streaming_fixtures import drive_staggered, stream_alone
+from streaming_fixtures import drive_staggered, stream_alone, updates_of
 
 pytestmark = needs_shared
 WHOLE_FILE_MS = 100_000  # left/right context longer than every fixture file
@@ -165,6 +165,19 @@ def test_limited_context_stays_close_to_offline(variant):
         errors += edit_distance(s.tokens, f["tokens"])
         total += len(f["tokens"])
     assert errors / total < 0.25
+
+
+def test_a_window_taken_before_the_last_ones_tokens_are_back_changes_no_update(variant):
+    """As the server pipelines steps (the next window taken before the last one's tokens are
+    added): the same transcripts and covered seconds (right context excluded) after every
+    update, and the final only after the last window's tokens, with the offline-trained
+    chunking whose last window holds the stream's end."""
+    name, files = variant
+    model = _model(name, 480, 1600, 320)
+    for f in files:
+        want = updates_of(model, f["samples"], 3333, pipelined=False)
+        assert updates_of(model, f["samples"], 3333, pipelined=True) == want
+        assert [final for _, _, final, _ in want] == [False] * (len(want) - 1) + [True]
 
 
 def test_batched_at_different_positions_equals_alone(variant):

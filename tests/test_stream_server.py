@@ -13,7 +13,7 @@ from transcribe.streaming import protocol as P
 from transcribe.streaming.client import server_stats, stream_audio
 from transcribe.streaming.server import ServerConfig
 
-from streaming_fixtures import files, model, serve_and_check, serve_until_it_stops  # noqa: F401  (fixtures)
+from streaming_fixtures import files, model, serve_and_check, serve_until_it_stops, updates_of  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
@@ -51,6 +51,10 @@ def test_stream_over_tcp_gives_nemo_partials(model, files):
     partials = run.transcripts()
     assert run.messages[0]["type"] == "ready"
     assert partials == f["partial_texts"]
+    # sent faster than real time, its steps were pipelined: each partial still says the audio
+    # its own tokens cover, not the audio of a chunk already taken after it
+    covered = [secs for _, secs, *_ in updates_of(model, f["samples"], 4000, pipelined=False)]
+    assert [m["audio_seconds"] for m in run.messages if m["type"] == "partial"] == covered
     assert run.final["text"] == f["offline_text"]
     assert all(w["start"] <= w["end"] for w in run.final["words"])
 

@@ -13,7 +13,7 @@ from conftest import NEMO_REF, needs_shared
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import IncrementalLogMel, SessionState
 
-from streaming_fixtures import drive_staggered, files, model, stream_alone  # noqa: F401  (fixtures)
+from streaming_fixtures import drive_staggered, files, model, stream_alone, updates_of  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
@@ -56,6 +56,21 @@ def test_session_partials_match_nemo_and_offline(model, files):
         offline = model.engine.transcribe([f["samples"]])[0]
         assert texts[-1] == offline.text == f["offline_text"]
         assert tokens == offline.tokens
+
+
+def test_a_chunk_taken_before_the_last_ones_tokens_are_back_changes_no_update(model, files):
+    """The server takes a stream's next chunk before the last one's tokens are added (its
+    steps are pipelined): the same transcripts, the same covered seconds (times are cut to
+    the audio the tokens cover, not the audio taken), and the final only after the last
+    chunk's tokens, as NeMo's partials and the offline text."""
+    for f in files:
+        want = updates_of(model, f["samples"], 4000, pipelined=False)
+        got = updates_of(model, f["samples"], 4000, pipelined=True)
+        assert got == want
+        assert [text for text, *_ in got] == f["partial_texts"]
+        assert [final for _, _, final, _ in got] == [False] * (len(got) - 1) + [True]
+        assert got[-1][0] == f["offline_text"]
+        assert [secs for _, secs, *_ in got] == sorted({secs for _, secs, *_ in got})  # one chunk more each
 
 
 def test_batched_at_different_positions_equals_alone(model, files):

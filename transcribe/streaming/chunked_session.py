@@ -62,7 +62,7 @@ class ChunkedSession(SessionBase):
     def _is_last(self) -> bool:
         return self.ended and self._available - self._next <= self.chunk + self.right
 
-    def next_chunk(self) -> ChunkWindow | None:
+    def _cut_chunk(self) -> ChunkWindow | None:
         """The next window ready to run, or None; advances the cursor."""
         if self.slot is None or self._last_taken:
             return None

@@ -97,7 +97,7 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
         if out:
             step_ms.append(1000 * (time.perf_counter() - ts))
         for _, update in out:
-            for msg in P.update_messages(session.stream_id, update, session.decoded_seconds):
+            for msg in P.update_messages(session.stream_id, update, session.covered_seconds):
                 _print_message(echo, msg, as_json)
             final = update.final or final
     wall = time.perf_counter() - t0

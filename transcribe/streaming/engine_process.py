@@ -91,6 +91,11 @@ def _engine_main(conn, load_args: dict, max_streams: int, log_level: int) -> Non
     from transcribe.streaming.cli_commands import load_streaming_model, log_to_stderr
 
     log_to_stderr(log_level, "%(asctime)s %(levelname)s [engine] %(message)s")
+    # A core is the event loop's: it builds transcripts and features while a step runs here
+    # (the server's steps are pipelined). Threads that share it get descheduled mid-op and the
+    # others wait for them: on the 2-core VM the encoder's two threads took 34 s of a 60 s
+    # load against 21 s on one.
+    torch.set_num_threads(max(torch.get_num_threads() - 1, 1))
     try:
         sm = load_streaming_model(**load_args)
         pool = sm.new_pool(max_streams)

@@ -193,11 +193,11 @@ class StreamingFront:
 
     def update(self, session: SessionBase, final: bool) -> Update:
         """The transcript's new segments, open tail and (when `final`) the whole of it, in
-        seconds from the stream start, none past the audio decoded (a token's frame, 80 ms, or
+        seconds from the stream start, none past the audio its tokens cover (a token's frame, 80 ms, or
         TDT duration can reach beyond it; offline results are cut back the same way,
         transcribe.stitching)."""
         return session.transcript.update(session.tokens, session.token_frames, session.token_durations,
-                                         session.decoded_seconds, final)
+                                         session.covered_seconds, final)
 
 
 class Scheduler:
@@ -303,7 +303,7 @@ class Scheduler:
             if session.state != SessionState.ACTIVE:
                 continue  # closed (disconnected) while its chunk was running
             session.add(hyp.tokens, hyp.frames, hyp.durations)
-            final = session.finished_input
+            final = session.complete
             out.append((session, self.model.update(session, final)))
             if final:
                 self.close(session)
@@ -314,7 +314,7 @@ class Scheduler:
         out = []
         for session in list(self.active.values()):
             try:
-                if session.finished_input:
+                if session.complete:
                     out.append((session, self.model.update(session, True)))
                     self.close(session)
             except Exception as e:  # as in collect: this stream fails alone

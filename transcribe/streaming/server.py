@@ -6,9 +6,11 @@ Both transports are thin adapters (`_TcpTransport`, `_WsTransport`: receive a me
 message, abort, close) around one per-connection handler, so admission, errors, timeouts and
 slot release are the same code. One event loop does all socket I/O and scheduling; the
 batched pool step is waited for in one worker thread, so reading audio and sending results go
-on while the model computes. Under `transcribe serve` the pool is the engine process's
-(`engine_process.RemotePool`): the step's thousands of small torch ops run there, not waiting
-for this loop's GIL. Every client has a bounded outgoing queue: a client that does not read
+on while the model computes, and steps are pipelined: once a step's tokens are back, the next
+step's chunks are sent before this loop builds the last step's transcripts (`_engine_loop`).
+Under `transcribe serve` the pool is the engine process's (`engine_process.RemotePool`): the
+step's thousands of small torch ops run there, not waiting for this loop's GIL, on one core
+fewer than the machine has. Every client has a bounded outgoing queue: a client that does not read
 its results (queue full, or one send blocked for `send_timeout_s`) or sends nothing for
 `idle_timeout_s` while it holds a slot is dropped, and its slot returns to the pool. A stream
 queued for a slot has no timeout: the server is the one keeping it waiting.
@@ -436,49 +438,61 @@ class StreamServer:
 
     # -- engine ---------------------------------------------------------------------------
     async def _engine_loop(self) -> None:
+        """Steps, one at a time, pipelined: once a step's tokens are back, the next step's
+        chunks are taken and sent to the pool before this step's transcripts are built and sent,
+        so the engine computes while this loop does its own work (a stream can have a chunk in
+        the next step before its last one's tokens are added: `SessionBase.complete`)."""
         sched = self.scheduler
+        done = None  # the last step's results, applied while the next one runs
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while True:
-                sessions, chunks = sched.collect()
-                self._fail_own_errors()
-                if not chunks:
-                    break
-                try:
-                    await self._step(sessions, chunks)
-                except EngineDied:  # no engine, no more steps: the server stops (_engine_ended)
-                    raise
-                except Exception as e:  # a failed step fails its streams, not the server
-                    log.exception("stream step failed")
-                    self._fail(sessions, P.describe(e))
-                heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
-            self._deliver(sched.finish_idle())
+            if done is None:
+                await self._wake.wait()
+                self._wake.clear()
+            sessions, chunks = sched.collect()
             self._fail_own_errors()
+            t0 = time.perf_counter()
+            step = self._start_step(chunks) if chunks else None
+            if done is not None:
+                self._apply(*done)
+                done = None
+            if step is None:
+                self._deliver(sched.finish_idle())
+                self._fail_own_errors()
+                continue
+            try:
+                hyps = await step
+                done = sessions, len(chunks), time.perf_counter() - t0, hyps
+            except EngineDied:  # no engine, no more steps: the server stops (_engine_ended)
+                raise
+            except Exception as e:  # a failed step fails its streams, not the server
+                log.exception("stream step failed")
+                self._fail(sessions, P.describe(e))
+            finally:
+                sched.end_step()
+                self._notify_admitted()
+            heap.trim()  # at most once a second: shapes vary with every step (transcribe/heap.py)
+
+    def _start_step(self, chunks: list) -> asyncio.Future:
+        """One batched pool step, run in the worker thread (the engine process's, under serve)."""
+        self.scheduler.begin_step()  # slots closed from now on are released after the step
+        return asyncio.get_running_loop().run_in_executor(self._executor, self.scheduler.pool.step, chunks)
+
+    def _apply(self, sessions: list[SessionBase], n_chunks: int, step_s: float, hyps) -> None:
+        """A step's tokens into transcripts, their messages sent."""
+        sched = self.scheduler
+        t0 = time.perf_counter()
+        self._deliver(sched.apply(sessions, hyps))
+        self.stats.record(n_chunks, step_s, time.perf_counter() - t0, sched.pool.stage_seconds)
+        for s in sessions:  # their handlers may be waiting for the backlog to shrink
+            client = self._client_of(s)
+            if client is not None:
+                client.progress.set()
 
     def _fail_own_errors(self) -> None:
         """Streams whose own chunking or final update raised (the scheduler closed them)."""
         for session, e in self.scheduler.take_failed():
             log.error("stream %s failed: %s", session.stream_id, P.describe(e), exc_info=e)
             self._fail([session], P.describe(e))
-
-    async def _step(self, sessions: list[SessionBase], chunks: list) -> None:
-        """One batched pool step (in the worker thread) and its results sent."""
-        sched = self.scheduler
-        sched.begin_step()
-        t0 = time.perf_counter()
-        try:
-            hyps = await asyncio.get_running_loop().run_in_executor(self._executor, sched.pool.step, chunks)
-        finally:
-            sched.end_step()
-            self._notify_admitted()
-        t1 = time.perf_counter()
-        self._deliver(sched.apply(sessions, hyps))
-        self.stats.record(len(chunks), t1 - t0, time.perf_counter() - t1, sched.pool.stage_seconds)
-        for s in sessions:  # their handlers may be waiting for the backlog to shrink
-            client = self._client_of(s)
-            if client is not None:
-                client.progress.set()
 
     def _engine_ended(self, task: asyncio.Task) -> None:
         """The engine loop ends only when cancelled (stop); anything else is a bug outside a
@@ -497,7 +511,7 @@ class StreamServer:
             client = self._client_of(session)
             if client is None:
                 continue
-            for msg in P.update_messages(session.stream_id, update, session.decoded_seconds):
+            for msg in P.update_messages(session.stream_id, update, session.covered_seconds):
                 self._send(client, msg)
             if update.final is not None:
                 client.final.set()

@@ -9,6 +9,7 @@ and accumulates the tokens each pool step returns.
 """
 from __future__ import annotations
 
+import collections
 import enum
 import time
 
@@ -140,16 +141,41 @@ class SessionBase:
         self.steps = 0
         self.last_audio_time = time.monotonic()  # arrival of the newest audio (latency origin)
         self.audio_seconds = 0.0
+        # decoded_seconds as each chunk was taken, for chunks whose tokens are not added yet
+        # (the server takes a stream's next chunk while the engine still runs its last one)
+        self._in_flight: collections.deque[float] = collections.deque()
+        self._added_seconds = 0.0  # the same, for the last chunk whose tokens were added
 
     def _arrived(self, audio: np.ndarray) -> None:
         self.audio_seconds += audio.shape[0] / self.sample_rate
         self.last_audio_time = time.monotonic()
 
+    def next_chunk(self):
+        """The next chunk ready to run (the cursor advances past it), or None. Its tokens come
+        back through `add`, chunks in the order taken."""
+        chunk = self._cut_chunk()
+        if chunk is not None:
+            self._in_flight.append(self.decoded_seconds)
+        return chunk
+
     def add(self, tokens: list[int], frames: list[int], durations: list[int]) -> None:
+        """The tokens of the oldest chunk taken and not yet added."""
+        self._added_seconds = self._in_flight.popleft()
         self.tokens.extend(tokens)
         self.token_frames.extend(frames)
         self.token_durations.extend(durations)
         self.steps += 1
+
+    @property
+    def covered_seconds(self) -> float:
+        """Audio the tokens added so far cover (s from the start): a transcript's times are cut
+        to it, and its messages say it. `decoded_seconds` unless a chunk is still in flight."""
+        return self._added_seconds if self._in_flight else self.decoded_seconds
+
+    @property
+    def complete(self) -> bool:
+        """Ended, every chunk taken, and their tokens added: the final can be built."""
+        return self.finished_input and not self._in_flight
 
 
 class StreamSession(SessionBase):
@@ -194,7 +220,7 @@ class StreamSession(SessionBase):
         f = self.features
         return self._feat_base + self._feats.shape[1] + max(f.ready - f.frames, 0)
 
-    def next_chunk(self) -> ChunkInput | None:
+    def _cut_chunk(self) -> ChunkInput | None:
         """The next complete chunk (any remainder once ended), or None; advances the cursor."""
         if self.slot is None:
             return None
