@@ -467,6 +467,7 @@ class StreamServer:
             except Exception as e:  # a failed step fails its streams, not the server
                 log.exception("stream step failed")
                 self._fail(sessions, P.describe(e))
+                self._wake.set()  # and the others' chunks are looked for at once, as after a step
             finally:
                 sched.end_step()
                 self._notify_admitted()
