@@ -72,6 +72,40 @@ def test_segments_and_tail_joined_equal_the_whole_transcript_at_every_step(token
         assert segments > 10  # the rules did cut: this checked more than one long tail
 
 
+@pytest.mark.parametrize("kind", ["tdt", "rnnt"])
+def test_a_tail_of_one_long_word_is_not_respelled_at_every_step(tokenizer, kind, monkeypatch):
+    """A stream that opens with a long run of sub-word pieces (the random fixture models emit
+    only those, for whole streams): while the tail is one word there is nothing to cut and
+    the cut search reads only the tokens added since it last looked (it had spelled the whole
+    tail at every step, quadratic in the stream); once word starts come, cuts resume, and
+    segments + tail join to the whole transcript at every step."""
+    import transcribe.streaming.transcript as T
+
+    spelled = []
+    monkeypatch.setattr(T, "token_spans", lambda tok, toks, *a, real=T.token_spans: spelled.append(len(toks))
+                        or real(tok, toks, *a))
+    rng = random.Random(5)
+    sub_words = [i for i, p in enumerate(tokenizer.vocab) if p.isalpha()]  # no '▁', no punctuation
+    plain = [rng.choice(sub_words) for _ in range(600)]
+    tokens, frames, durations = _random_stream(rng, tokenizer, 600, kind)
+    tokens = plain + tokens
+    frames = list(range(600)) + [600 + f for f in frames]
+    durations = [1] * 600 + durations if durations else []
+    transcript = StreamTranscript(tokenizer, kind, TIMING)
+    texts, n, spelled_in_plain = [], 0, None
+    while n < len(tokens):
+        n = min(n + rng.randrange(1, 12), len(tokens))
+        if spelled_in_plain is None and n > 600:
+            spelled_in_plain = list(spelled)
+        decoded = (frames[n - 1] + 2) * TIMING.frame_seconds
+        u = transcript.update(tokens[:n], frames[:n], durations[:n], decoded, n == len(tokens))
+        texts += [seg.text for seg in u.segments]
+        whole = shift(build_result(tokenizer, tokens[:n], frames[:n], durations[:n], kind, TIMING), 0.0, until=decoded)
+        assert join_texts([*texts, u.open.text]) == whole.text
+    assert spelled_in_plain == []  # the one-word tail: no cut search spelled it
+    assert len(texts) > 10  # and cuts came once words did
+
+
 def test_the_open_tail_stays_bounded_on_a_long_stream(tokenizer):
     """An hour-long stream, stepped every 0.5 s: what each step rebuilds and sends is the open
     tail, a few seconds of words, never the transcript so far (12k tokens by the end)."""

@@ -63,6 +63,7 @@ class StreamTranscript:
         self.tokenizer, self.kind, self.timing = tokenizer, kind, timing
         self.committed = 0  # tokens [0, committed) are in segments already sent
         self.segments = 0  # segments sent
+        self._plain_until = 0  # tokens [committed + 1, this) hold no word-start piece (see _cuts)
         self._pause = PAUSE_S / timing.frame_seconds  # in encoder frames
         self._max_open = MAX_OPEN_S / timing.frame_seconds
 
@@ -90,6 +91,14 @@ class StreamTranscript:
         """Token indices (ascending, past `committed`) where committed segments end."""
         start = self.committed
         if len(tokens) - start < 2:
+            return []
+        # Cuts fall only on a word-start piece after the tail's first token. While none has come
+        # (one long word, or a model emitting only sub-word pieces, as the random fixture models
+        # do) there is nothing to cut, and only the tokens added since the last look are read:
+        # spelling the whole tail here at every step had made such a stream quadratic.
+        scan = max(self._plain_until, start + 1)
+        if not any(piece.startswith(WORD_START) for piece in self.tokenizer.pieces(tokens[scan:])):
+            self._plain_until = len(tokens)
             return []
         spans = token_spans(self.tokenizer, tokens[start:], frames[start:],
                             durations[start:], self.kind)
