@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     if stats.get("steps"):
         print(f"server: {stats['steps']} steps, {stats['chunks_per_step']} chunks a step (max "
               f"{stats['max_chunks_per_step']}), step ms {stats['step_ms']}, stage s {stats['stage_seconds']}, "
-              f"apply s {stats['apply_seconds']}")
+              f"apply s {stats['apply_seconds']}, collect s {stats.get('collect_seconds')}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return report

@@ -80,6 +80,7 @@ def test_a_stats_request_reports_what_the_steps_cost(model, files):
     assert 0 < after["step_ms"]["p50"] <= after["step_ms"]["p95"] <= after["step_ms"]["max"]
     assert set(after["stage_seconds"]) == {"batch", "encoder", "decoder"}
     assert all(v > 0 for v in after["stage_seconds"].values()) and after["apply_seconds"] > 0
+    assert 0 < after["collect_seconds"] < after["uptime_s"]
     assert sum(after["stage_seconds"].values()) <= after["uptime_s"]
     assert (after["active"], after["waiting"], after["free_slots"]) == (0, 0, 2)
     assert len(raw) == 1 and raw[0]["type"] == "stats"

@@ -13,7 +13,7 @@ from conftest import NEMO_REF, needs_shared
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.session import IncrementalLogMel, SessionState
 
-from streaming_fixtures import drive_staggered, files, model, stream_alone, updates_of  # noqa: F401  (fixtures)
+from streaming_fixtures import RunningText, drive_staggered, files, model, stream_alone, updates_of  # noqa: F401  (fixtures)
 
 pytestmark = needs_shared
 
@@ -71,6 +71,30 @@ def test_a_chunk_taken_before_the_last_ones_tokens_are_back_changes_no_update(mo
         assert [final for _, _, final, _ in got] == [False] * (len(got) - 1) + [True]
         assert got[-1][0] == f["offline_text"]
         assert [secs for _, secs, *_ in got] == sorted({secs for _, secs, *_ in got})  # one chunk more each
+
+
+def test_features_computed_ahead_of_a_step_are_the_chunks_and_leave_no_stft_to_taking(model, files):
+    """The server computes each stream's next chunk's features while a step runs
+    (`Scheduler.prepare`): taking a prepared chunk then computes no frames, and the partials
+    are still NeMo's."""
+    f = max(files, key=lambda f: f["samples"].shape[0])
+    audio = f["samples"]
+    sched = Scheduler(model, SchedulerConfig(max_streams=1))
+    s = sched.open("a")
+    texts, running, prepared = [], RunningText(), 0
+    for i in range(0, audio.shape[0], 1234):
+        s.push_audio(audio[i: i + 1234])
+        sched.prepare()
+        computed = s.features.frames
+        sessions, chunks = sched.collect()
+        if chunks:
+            assert s.features.frames == computed  # no STFT when the chunk was taken
+            prepared += 1
+            texts += [running(u) for _, u in sched.apply(sessions, sched.pool.step(chunks))]
+    s.end()
+    while s.state == SessionState.ACTIVE:
+        texts += [running(u) for _, u in sched.run_once()]
+    assert texts == f["partial_texts"] and prepared >= 3
 
 
 def test_batched_at_different_positions_equals_alone(model, files):

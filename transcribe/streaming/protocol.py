@@ -28,8 +28,9 @@ Server -> client (over WebSocket: text frames)
     Times are seconds from the stream start; audio_seconds: audio decoded so far.
     {"type": "stats", "uptime_s", "steps", "chunks", "chunks_per_step", "max_chunks_per_step",
         "step_ms": {"p50", "p95", "p99", "max"} (null before the first step), "step_window",
-        "stage_seconds": {stage: s}, "apply_seconds", "mode", "device", "max_streams", "active",
-        "waiting", "free_slots"}        what the steps cost so far (streaming/stats.py)
+        "stage_seconds": {stage: s}, "apply_seconds", "collect_seconds", "mode", "device",
+        "max_streams", "active", "waiting", "free_slots"}   what the steps cost so far
+        (streaming/stats.py)
     {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
         the connection after an error (the stream is over, its slot returned). "shutdown":
         the server is stopping (SIGINT / SIGTERM; over WebSocket the close code is 1001, going

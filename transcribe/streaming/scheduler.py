@@ -282,6 +282,16 @@ class Scheduler:
                 chunks.append(chunk)
         return sessions, chunks
 
+    def prepare(self) -> None:
+        """What `collect` will need, done ahead for every stream whose next chunk's audio is all
+        here (its features: `StreamSession.prepare`); the server calls it while a step runs. A
+        stream whose own work raises fails alone, as in `collect`."""
+        for session in list(self.active.values()):
+            try:
+                session.prepare()
+            except Exception as e:
+                self._fail(session, e)
+
     def begin_step(self) -> None:
         self._stepping = True
 

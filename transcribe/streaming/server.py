@@ -448,9 +448,11 @@ class StreamServer:
             if done is None:
                 await self._wake.wait()
                 self._wake.clear()
+            t0 = time.perf_counter()
             sessions, chunks = sched.collect()
             self._fail_own_errors()
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            self.stats.record_collect(t1 - t0)
             step = self._start_step(chunks) if chunks else None
             if done is not None:
                 self._apply(*done)
@@ -459,9 +461,11 @@ class StreamServer:
                 self._deliver(sched.finish_idle())
                 self._fail_own_errors()
                 continue
+            sched.prepare()  # the next step's features, while this one runs
+            self._fail_own_errors()
             try:
                 hyps = await step
-                done = sessions, len(chunks), time.perf_counter() - t0, hyps
+                done = sessions, len(chunks), time.perf_counter() - t1, hyps
             except EngineDied:  # no engine, no more steps: the server stops (_engine_ended)
                 raise
             except Exception as e:  # a failed step fails its streams, not the server

@@ -166,6 +166,10 @@ class SessionBase:
         self.token_durations.extend(durations)
         self.steps += 1
 
+    def prepare(self) -> None:
+        """Do now what taking the next chunk will need, if its audio is all here (the server
+        calls it while a step runs). Nothing by default."""
+
     @property
     def covered_seconds(self) -> float:
         """Audio the tokens added so far cover (s from the start): a transcript's times are cut
@@ -227,7 +231,7 @@ class StreamSession(SessionBase):
         span = next_chunk(self._next, self._available, self.ended, self.cfg)
         if span is None:
             return None
-        if not self.ended:
+        if span.end > self._feat_base + self._feats.shape[1]:  # not all computed (`prepare`)
             self._append(self.features.take())
         local = type(span)(span.start - self._feat_base, span.end - self._feat_base,
                            span.cache_start - self._feat_base, span.first)
@@ -238,6 +242,16 @@ class StreamSession(SessionBase):
         self._feats = self._feats[:, keep_from - self._feat_base:]
         self._feat_base = keep_from
         return ChunkInput(self.slot, feats.contiguous(), span.first)
+
+    def prepare(self) -> None:
+        """Compute the next chunk's features now if its audio is all here: the STFT then runs
+        while the server's step does, and taking the chunk after the step costs none (it had
+        been the event loop's log-mel time between two steps)."""
+        if self.slot is None or self.ended:
+            return
+        span = next_chunk(self._next, self._available, False, self.cfg)
+        if span is not None and span.end > self._feat_base + self._feats.shape[1]:
+            self._append(self.features.take())
 
     @property
     def decoded_seconds(self) -> float:
