@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 
+import pytest
 
 from conftest import needs_shared
 from transcribe.streaming import protocol as P
@@ -572,23 +573,23 @@ def test_stopping_just_after_a_final_sends_no_shutdown_after_it(model, files):
     assert server.scheduler.pool.free_slots == 1
 
 
-def test_a_stream_whose_own_chunking_raises_fails_alone(model, files, monkeypatch):
-    """A bug tripped by one stream's audio while its chunk is cut (outside the batched step)
-    ends that stream with "internal"; it stopped the whole server. The stream beside it
-    ends well, and `run_once` (`transcribe stream`) raises the error instead of looping."""
-    import pytest
-
+@pytest.mark.parametrize("where", ["next_chunk", "prepare"])
+def test_a_stream_whose_own_chunking_raises_fails_alone(model, files, monkeypatch, where):
+    """A bug tripped by one stream's audio while its chunk is cut (outside the batched step),
+    or while its features are computed ahead as its audio arrives, ends that stream with
+    "internal"; it stopped the whole server. The stream beside it ends well, and `run_once`
+    (`transcribe stream`) raises the error instead of looping."""
     from transcribe.streaming.scheduler import Scheduler, SchedulerConfig
     from transcribe.streaming.session import SessionState, StreamSession
 
-    next_chunk = StreamSession.next_chunk
+    original = getattr(StreamSession, where)
 
     def buggy(self):
         if self.stream_id == "bad" and self.audio_seconds > 1.0:
             raise ZeroDivisionError("a bug on this stream's audio")
-        return next_chunk(self)
+        return original(self)
 
-    monkeypatch.setattr(StreamSession, "next_chunk", buggy)
+    monkeypatch.setattr(StreamSession, where, buggy)
     audio = files[2]["samples"]
 
     async def scenario(server, host, port):
@@ -598,7 +599,8 @@ def test_a_stream_whose_own_chunking_raises_fails_alone(model, files, monkeypatc
     bad, good = _run(model, ServerConfig(port=0, max_streams=2, final_timeout_s=3.0), scenario)
     assert bad.error["code"] == "internal" and "ZeroDivisionError" in bad.error["message"], bad.messages[-1]
     assert good.error is None and good.final["text"] == files[2]["offline_text"]
-
+    if where == "prepare":  # only the server computes ahead
+        return
     sched = Scheduler(model, SchedulerConfig(max_streams=1))
     session = sched.open("bad")
     session.push_audio(audio)

@@ -74,9 +74,9 @@ def test_a_chunk_taken_before_the_last_ones_tokens_are_back_changes_no_update(mo
 
 
 def test_features_computed_ahead_of_a_step_are_the_chunks_and_leave_no_stft_to_taking(model, files):
-    """The server computes each stream's next chunk's features while a step runs
-    (`Scheduler.prepare`): taking a prepared chunk then computes no frames, and the partials
-    are still NeMo's."""
+    """The server computes a stream's next chunk's features as soon as its audio is all here
+    (`Scheduler.prepare`, mostly while a step runs): taking a prepared chunk then computes no
+    frames, and the partials are still NeMo's."""
     f = max(files, key=lambda f: f["samples"].shape[0])
     audio = f["samples"]
     sched = Scheduler(model, SchedulerConfig(max_streams=1))
@@ -84,7 +84,7 @@ def test_features_computed_ahead_of_a_step_are_the_chunks_and_leave_no_stft_to_t
     texts, running, prepared = [], RunningText(), 0
     for i in range(0, audio.shape[0], 1234):
         s.push_audio(audio[i: i + 1234])
-        sched.prepare()
+        sched.prepare(s)
         computed = s.features.frames
         sessions, chunks = sched.collect()
         if chunks:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
 from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
@@ -139,4 +140,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: in
     load_args = dict(model=model, chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms, device=device, dtype=dtype,
                      encoder_backend=encoder_backend)
     with RemotePool(load_args, max_streams, LOG_LEVELS[log_level]) as pool:
+        # This process computes one chunk's log-mel at a time, mostly while the engine steps:
+        # a second OpenMP thread only contends with the engine's (on the 2-core VM computing
+        # features as audio arrived, with two threads, made steps and finals several times slower).
+        torch.set_num_threads(1)
         return asyncio.run(serve_forever(pool.front, cfg, pool))

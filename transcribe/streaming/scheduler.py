@@ -282,15 +282,15 @@ class Scheduler:
                 chunks.append(chunk)
         return sessions, chunks
 
-    def prepare(self) -> None:
-        """What `collect` will need, done ahead for every stream whose next chunk's audio is all
-        here (its features: `StreamSession.prepare`); the server calls it while a step runs. A
-        stream whose own work raises fails alone, as in `collect`."""
-        for session in list(self.active.values()):
-            try:
-                session.prepare()
-            except Exception as e:
-                self._fail(session, e)
+    def prepare(self, session: SessionBase) -> None:
+        """What `collect` will need of the stream, done now if its next chunk's audio is all
+        here (its features: `StreamSession.prepare`): the server calls it as audio arrives,
+        mostly while a step runs, so that taking the chunks between two steps computes no
+        STFT. A stream whose own work raises fails alone, as in `collect` (`take_failed`)."""
+        try:
+            session.prepare()
+        except Exception as e:
+            self._fail(session, e)
 
     def begin_step(self) -> None:
         self._stepping = True

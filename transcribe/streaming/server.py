@@ -298,6 +298,8 @@ class StreamServer:
                 await self._await_final(client, session)
                 return
             session.push_audio(msg.samples)
+            self.scheduler.prepare(session)  # its next chunk's features, once its audio is all here
+            self._fail_own_errors()
             self._wake.set()
             await self._caught_up(client, session)
 
@@ -461,8 +463,6 @@ class StreamServer:
                 self._deliver(sched.finish_idle())
                 self._fail_own_errors()
                 continue
-            sched.prepare()  # the next step's features, while this one runs
-            self._fail_own_errors()
             try:
                 hyps = await step
                 done = sessions, len(chunks), time.perf_counter() - t1, hyps

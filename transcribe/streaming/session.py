@@ -244,9 +244,10 @@ class StreamSession(SessionBase):
         return ChunkInput(self.slot, feats.contiguous(), span.first)
 
     def prepare(self) -> None:
-        """Compute the next chunk's features now if its audio is all here: the STFT then runs
-        while the server's step does, and taking the chunk after the step costs none (it had
-        been the event loop's log-mel time between two steps)."""
+        """Compute the next chunk's features now if its audio is all here (once per chunk: a
+        no-op until then and after): the server calls it as audio arrives, so the STFT mostly
+        runs while a step does, and taking the chunk between two steps costs none (log-mel had
+        been most of the event loop's time there)."""
         if self.slot is None or self.ended:
             return
         span = next_chunk(self._next, self._available, False, self.cfg)
