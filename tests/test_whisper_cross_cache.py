@@ -155,8 +155,12 @@ def test_a_cpu_without_bf16_gemms_still_holds_a_bf16_cache(monkeypatch):
 
 
 def test_the_bundled_base_gives_fp32s_words_over_a_bf16_cache():
-    """Real speech: the same text as the fp32 cache (all 100 test-other files agreed, and 9 of
-    15,562 words over the 486 shared files), and the startup note says which cache it runs."""
+    """Real speech: the same text as the fp32 cache on test-other (all 100 files agreed; 9 of
+    15,562 words differed over the 486 shared files), and the startup note says which cache it
+    runs. JFK's comma after "Americans" is one of those near-ties: it drops over a bf16 cache
+    when the encoder's attention runs the "loop" kernel, which its startup timing picks on
+    some runs of this CPU (seen in CI, 2026-11-28), and word times around it move (up to
+    1.1 s), so there only the words must agree."""
     import json
 
     from conftest import SPEECH, bundled_whisper_fp32
@@ -175,6 +179,8 @@ def test_the_bundled_base_gives_fp32s_words_over_a_bf16_cache():
         assert engine.runtime.startswith("encoder float32, decoder float32 eager (cross-attention cache bfloat16)")
     finally:
         text.cache_dtype = torch.float32
-    assert [r.text for r in got] == [r.text for r in want]
-    for g, w in zip(got, want):
+    assert [r.text for r in got[:-1]] == [r.text for r in want[:-1]]  # test-other
+    spoken = [[x.strip(",.?!").lower() for x in r.text.split()] for r in (got[-1], want[-1])]  # JFK
+    assert spoken[0] == spoken[1]
+    for g, w in zip(got[:-1], want[:-1]):  # JFK's words move up to 1.1 s where its comma drops
         assert max((abs(a[0] - b[0]) for a, b in zip(g.words, w.words)), default=0) <= 0.1
