@@ -53,14 +53,21 @@ class RunningText:
         return so_far
 
 
-def stream_alone(model: StreamingModel, audio, piece: int, after_step=None):
-    """The whole file through one session of its own in `piece`-sample pieces, all pushed, then
-    stepped to the end; `after_step(pool)` runs after every step. -> (session, partial texts)."""
+def _pushed_alone(model: StreamingModel, audio, piece: int):
+    """A scheduler of one slot, and its one session holding the whole file, pushed in
+    `piece`-sample pieces, and ended."""
     sched = Scheduler(model, SchedulerConfig(max_streams=1))
     s = sched.open("a")
     for i in range(0, audio.shape[0], piece):
         s.push_audio(audio[i: i + piece])
     s.end()
+    return sched, s
+
+
+def stream_alone(model: StreamingModel, audio, piece: int, after_step=None):
+    """The whole file through one session of its own in `piece`-sample pieces, all pushed, then
+    stepped to the end; `after_step(pool)` runs after every step. -> (session, partial texts)."""
+    sched, s = _pushed_alone(model, audio, piece)
     texts, running = [], RunningText()
     while s.state == SessionState.ACTIVE:
         texts += [running(u) for _, u in sched.run_once()]
@@ -75,11 +82,7 @@ def updates_of(model: StreamingModel, audio, piece: int, pipelined: bool) -> lis
     times) after each update.
     `pipelined`: as the server steps, each step's tokens are added only after the next step's
     chunk was taken and run, so the stream always has a chunk in flight when its tokens come."""
-    sched = Scheduler(model, SchedulerConfig(max_streams=1))
-    s = sched.open("a")
-    for i in range(0, audio.shape[0], piece):
-        s.push_audio(audio[i: i + piece])
-    s.end()
+    sched, s = _pushed_alone(model, audio, piece)
     out, running, pending, most_in_flight = [], RunningText(), None, 0
 
     def record(updates):

@@ -168,7 +168,7 @@ class SessionBase:
 
     def prepare(self) -> None:
         """Do now what taking the next chunk will need, if its audio is all here (the server
-        calls it while a step runs). Nothing by default."""
+        calls it as audio arrives, mostly while a step runs). Nothing by default."""
 
     @property
     def covered_seconds(self) -> float:
@@ -231,8 +231,7 @@ class StreamSession(SessionBase):
         span = next_chunk(self._next, self._available, self.ended, self.cfg)
         if span is None:
             return None
-        if span.end > self._feat_base + self._feats.shape[1]:  # not all computed (`prepare`)
-            self._append(self.features.take())
+        self._features_through(span.end)  # computed already when `prepare` ran for it
         local = type(span)(span.start - self._feat_base, span.end - self._feat_base,
                            span.cache_start - self._feat_base, span.first)
         feats = chunk_features(self._feats, local, self.cfg)
@@ -251,7 +250,13 @@ class StreamSession(SessionBase):
         if self.slot is None or self.ended:
             return
         span = next_chunk(self._next, self._available, False, self.cfg)
-        if span is not None and span.end > self._feat_base + self._feats.shape[1]:
+        if span is not None:
+            self._features_through(span.end)
+
+    def _features_through(self, end: int) -> None:
+        """Hold the feature frames up to `end`: the STFT of every ready frame, unless those are
+        held already (once ended, `end` holds them all)."""
+        if end > self._feat_base + self._feats.shape[1]:
             self._append(self.features.take())
 
     @property

@@ -4,8 +4,9 @@ or a load test's view of where a final result's latency goes.
 Per step (one batched pool step, `Scheduler.collect` -> `pool.step` -> `apply`): the chunks it
 ran, its wall time in the model's thread, and the event loop's time turning its tokens into
 transcript updates and messages (while the next step runs: the steps are pipelined) and taking
-its chunks (`collect_seconds`, between two steps: the engine waits for it). The pool's own seconds per stage (log-mel or batching, encoder,
-decoder; synchronised on CUDA, `engines.stage_times`) are summed since the server started.
+its chunks (`collect_seconds`, between two steps: the engine waits for it). The pool's own
+seconds per stage (log-mel or batching, encoder, decoder; synchronised on CUDA,
+`engines.stage_times`) are summed since the server started.
 Wall-time percentiles cover the last `STEP_WINDOW` steps, so a long-running server reports
 its recent behaviour in bounded memory.
 """
