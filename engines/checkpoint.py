@@ -15,11 +15,13 @@ import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-import torch
 import yaml
+
+if TYPE_CHECKING:  # torch is imported where weights are read: choosing a model needs none
+    import torch
 
 CONFIG_MEMBER = "model_config.yaml"
 PROBE_TIMEOUT_S = 2.0  # one TCP connect to the hub before any download
@@ -123,6 +125,8 @@ class NemoArchive:
         """All weights with NeMo's key names, streamed from the archive (no temporary file)."""
         f = self._tar.extractfile(self._members[WEIGHTS_MEMBER])
         assert f is not None
+        import torch
+
         # weights_only: a checkpoint is data, never code to run. mmap is impossible inside a
         # tar, but torch's zip reader seeks per tensor record, so memory holds each tensor once.
         try:

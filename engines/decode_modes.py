@@ -8,12 +8,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from enum import Enum
 from typing import Callable, Iterator, TypeVar
 
 import torch
 
 from engines import cuda_conditional
+from engines.choices import DecodeMode
 from engines.cuda_conditional import CudaPythonError
 
 log = logging.getLogger("transcribe")
@@ -26,13 +26,6 @@ Built = TypeVar("Built")
 # most rows.
 MAX_DIFFERING_ROWS = 0.25
 GRAPH_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, CudaPythonError)
-
-
-class DecodeMode(str, Enum):
-    AUTO = "auto"
-    FULL_GRAPH = "full-graph"
-    UNROLLED = "unrolled"
-    EAGER = "eager"
 
 
 _NEXT = {DecodeMode.FULL_GRAPH: DecodeMode.UNROLLED, DecodeMode.UNROLLED: DecodeMode.EAGER}

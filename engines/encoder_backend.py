@@ -16,7 +16,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-BACKENDS = ("auto", "torch", "compile", "cuda-graphs", "tensorrt")
+from engines.choices import ENCODER_BACKENDS
+
 # Length edges (s) of the batch buckets. Steps of about 1.25x keep padding within a batch small;
 # the last edge is the longest piece the pipeline cuts (DEFAULT_MAX_PIECE_SECONDS).
 DEFAULT_EDGES_S = (2.0, 4.0, 6.0, 8.0, 10.0, 12.5, 15.0, 17.5, 20.0, 25.0, 30.0, 35.0, 40.0)
@@ -279,8 +280,8 @@ class BackendOptions:
 
 def resolve_backend(name: str, device: str) -> str:
     """`auto` -> cuda-graphs on CUDA, torch on the CPU; others are checked against the device."""
-    if name not in BACKENDS:
-        raise ValueError(f"encoder backend {name!r} is not supported (supported: {', '.join(BACKENDS)})")
+    if name not in ENCODER_BACKENDS:
+        raise ValueError(f"encoder backend {name!r} is not supported (supported: {', '.join(ENCODER_BACKENDS)})")
     cuda = device.startswith("cuda")
     if name == "auto":
         return "cuda-graphs" if cuda else "torch"

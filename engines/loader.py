@@ -67,6 +67,32 @@ def choose_model(model: str | None, bundled: bool = True) -> str:
     return BUNDLED
 
 
+def checked_model(model: str | None, encoder_backend: str = "auto", features_on: str = "auto",
+                  language: str | None = None, task: str = "transcribe", prompt: str | None = None) -> str:
+    """The model `load_engine` would load (a path made absolute), after checking that it takes
+    the options given (OptionError if not). Imports no torch and reads no weights: a command
+    line checks this before it spawns workers or imports anything heavy."""
+    name = choose_model(model)
+    if name not in REGISTRY and name not in WHISPER_NAMES and Path(name).expanduser().exists():
+        # A path names the model by where it is, however it was typed: results.jsonl records
+        # it and a rerun compares it (`m.nemo` from two folders is two models).
+        name = os.path.abspath(Path(name).expanduser())
+    whisper = is_whisper(name)
+    if whisper and encoder_backend not in ("auto", "torch"):
+        raise OptionError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
+    if not whisper and task != "transcribe":
+        raise OptionError(f"--task {task} is for Whisper models; {name} (Parakeet) only transcribes")
+    if not whisper and language is not None:
+        raise OptionError(f"--language is for Whisper models; {name} (Parakeet) takes no language "
+                         "(English-only models, or, like parakeet-tdt-0.6b-v3, finding it themselves)")
+    if not whisper and prompt is not None:
+        raise OptionError(f"--prompt is for Whisper models; {name} (Parakeet) takes no prompt")
+    if whisper and features_on not in ("auto", "workers"):
+        raise OptionError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
+                         "features in the workers")
+    return name
+
+
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",
                 features_on: str = "auto", dtype: str = "auto", backend_options=None, word_timestamps: bool = True,
                 language: str | None = None, task: str = "transcribe", prompt: str | None = None):
@@ -87,25 +113,9 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     Whisper's, as is `prompt` (text read as coming before every piece: names, spellings, style);
     Parakeet models take no language (v2 is English, v3 finds the language itself), only
     transcribe, and take no prompt."""
-    name = choose_model(model)
-    if name not in REGISTRY and name not in WHISPER_NAMES and Path(name).expanduser().exists():
-        # A path names the model by where it is, however it was typed: results.jsonl records
-        # it and a rerun compares it (`m.nemo` from two folders is two models).
-        name = os.path.abspath(Path(name).expanduser())
+    name = checked_model(model, encoder_backend, features_on, language, task, prompt)
     entry = REGISTRY.get(name)
     whisper = is_whisper(name)
-    if whisper and encoder_backend not in ("auto", "torch"):
-        raise OptionError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
-    if not whisper and task != "transcribe":
-        raise OptionError(f"--task {task} is for Whisper models; {name} (Parakeet) only transcribes")
-    if not whisper and language is not None:
-        raise OptionError(f"--language is for Whisper models; {name} (Parakeet) takes no language "
-                         "(English-only models, or, like parakeet-tdt-0.6b-v3, finding it themselves)")
-    if not whisper and prompt is not None:
-        raise OptionError(f"--prompt is for Whisper models; {name} (Parakeet) takes no prompt")
-    if whisper and features_on not in ("auto", "workers"):
-        raise OptionError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
-                         "features in the workers")
     if whisper:
         from engines.whisper_engine import WhisperEngine
         from engines.whisper_tokenizer import LanguageTaskError

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from engines.choices import DTYPE_ALIASES, DTYPE_CHOICES, DTYPE_NAMES
 from engines.fast_linear import onednn_linear_available
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def check_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
@@ -47,10 +48,6 @@ def check_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
         return
     check_dtype(dtype, device)
 
-
-# The short names `transcribe export-engine --precision` uses, accepted by --dtype as well.
-ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DTYPE_CHOICES = ("auto", *DTYPES, *ALIASES)
 TRT_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -61,7 +58,7 @@ def resolve_dtype(name: str, device: torch.device | str, auto: torch.dtype = tor
     real weights (WER) and on a GPU -- bf16 gave different greedy tokens on 17 of 32 random-weight
     fixture files (near ties). Whisper's is float16 on CUDA and bfloat16 on CPUs whose bf16
     GEMMs time faster than fp32's (engines/whisper_engine.py)."""
-    key = ALIASES.get(name, name)
+    key = DTYPE_ALIASES.get(name, name)
     if key == "auto":
         return auto
     if key not in DTYPES:

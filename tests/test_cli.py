@@ -314,6 +314,39 @@ def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
     assert blocker.read_text() == "keep me"
 
 
+_TORCH_AFTER = """
+import sys
+from transcribe.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    print("exit", e.code, "torch" in sys.modules)
+"""
+
+
+@needs_shared
+@pytest.mark.parametrize("args, code", [
+    (["AUDIO", "--device", "tpu"], 2), (["AUDIO", "--dtype", "fp8"], 2), (["AUDIO", "--decoder-mode", "bogus"], 2),
+    (["AUDIO", "--language", "German"], 2), (["AUDIO", "--task", "translate"], 2), (["AUDIO", "--shard", "3/2"], 2),
+    (["EMPTY"], 1), (["AUDIO", "--out", "BLOCKED"], 1), (["bench", "AUDIO", "--prompt", "Kennedy"], 2),
+    (["serve", "--device", "tpu"], 2), (["serve", "--log-level", "loud"], 2), (["stream", "AUDIO", "--chunk-ms", "0"], 2),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_usage_error_is_said_before_torch_is_imported(tmp_path, args, code):
+    """Options are checked as typed, and the model's name against them, before anything heavy
+    is imported: a typo is answered in a fraction of a second, not after torch's 2-4 s."""
+    ref = Reference("tdt_tiny")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blocked").write_text("")
+    names = {"AUDIO": str(ref.audio_path(0)), "EMPTY": str(tmp_path / "empty"), "BLOCKED": str(tmp_path / "blocked")}
+    args = [names.get(a, a) for a in args]
+    if args[0] != "serve":
+        args += ["--out", str(tmp_path / "x")] if "--out" not in args and args[0] != "stream" else []
+    p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args, "--model", str(ref.nemo)], capture_output=True,
+                       text=True, timeout=120)
+    assert p.stdout.split() == ["exit", str(code), "False"], (p.stdout, p.stderr)
+    assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
+
+
 @needs_shared
 def test_option_values_no_model_takes_are_usage_errors(tmp_path):
     """A value that is no device, task or language code, or a Whisper option given to a

@@ -20,8 +20,8 @@ import typer
 
 from transcribe.cli_job import interruptible, prepare
 from transcribe.cli_options import (BATCH_SECONDS, DECODER_MODE, DEVICE, DTYPE, ENCODER_BACKEND, EXIT_NOTHING_RAN,
-                                    EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON, LANGUAGE, MODEL, PROMPT, TASK,
-                                    WORKERS, check_choice, check_runtime, check_streaming, fail, file_path,
+                                    EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON, LANGUAGE, LOG_LEVELS, MODEL, PROMPT,
+                                    TASK, WORKERS, check_choice, check_runtime, check_streaming, fail, file_path,
                                     folder_option, out_folder, refuse_empty)
 
 SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
@@ -70,7 +70,6 @@ def transcribe(
     task: str = TASK,
     prompt: Optional[str] = PROMPT,
 ) -> None:
-    from transcribe.pipeline import run
     from transcribe.writers import needs_words, parse_formats
 
     out = folder_option(out_arg)
@@ -85,6 +84,8 @@ def transcribe(
     if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
         (out / "results.jsonl").touch()
         raise typer.Exit(EXIT_OK)
+    from transcribe.pipeline import run  # torch: imported once the options are known to be good
+
     with spares:
         stats = interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares),
@@ -118,7 +119,6 @@ def bench(
     prompt: Optional[str] = PROMPT,
 ) -> None:
     from transcribe.bench import build_report, summary_line, write_report
-    from transcribe.pipeline import run
 
     file_path(json_path, "--json")
     out = folder_option(out_arg)
@@ -126,6 +126,8 @@ def bench(
     files, engine, load_s, spares = prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
                                              language=language, prompt=prompt, out=out, report=json_path)
+    from transcribe.pipeline import run  # torch: imported once the options are known to be good
+
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         out_dir = out or Path(tmp)
         stats = interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
@@ -194,11 +196,11 @@ def stream(
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
+    check_streaming(chunk_ms, left_ms, right_ms)  # before torch's seconds of import
     from engines.loader import OptionError
     from transcribe.audio import AudioError
-    from transcribe.streaming.cli_commands import LOG_LEVELS, log_to_stderr, stream_file
+    from transcribe.streaming.cli_commands import log_to_stderr, stream_file
 
-    check_streaming(chunk_ms, left_ms, right_ms)
     log_to_stderr(LOG_LEVELS["info"], "%(message)s")  # the chunking line, before the transcript
     try:
         summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
@@ -232,19 +234,18 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="debug, info (the address served, "
                                   "the chunking, clients gone), warning (slow clients dropped) or error."),
 ) -> None:
-    from engines.loader import OptionError
-    from engines.parakeet import pick_device
-    from transcribe.streaming.cli_commands import LOG_LEVELS
-    from transcribe.streaming.cli_commands import serve as run_server
-
-    from transcribe.streaming.scheduler import STREAM_BACKENDS
+    from engines.choices import STREAM_BACKENDS
 
     if log_level.lower() not in LOG_LEVELS:
         raise fail(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}", EXIT_USAGE)
-    # Before a big model's minute of loading.
+    # Before a big model's minute of loading, and before torch's seconds of import.
     check_choice("--encoder-backend", encoder_backend, STREAM_BACKENDS, "serve takes")
     check_runtime(device, dtype)
     check_streaming(chunk_ms, left_ms, right_ms)
+    from engines.loader import OptionError
+    from engines.parakeet import pick_device
+    from transcribe.streaming.cli_commands import serve as run_server
+
     try:
         status = run_server(model, host=host, port=port, max_streams=max_streams, max_waiting=max_waiting,
                             idle_timeout_s=idle_timeout_s, max_backlog_s=max_backlog_s, ws_port=ws_port,

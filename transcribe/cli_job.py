@@ -29,19 +29,19 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     `prompt`: --language, --task, --prompt. `out` (--out, `out_folder`) and `report` (--json: its folder must be
     writable) are checked once the inputs are known and before the model loads (None: not
     given)."""
+    # Nothing imported before the model loads imports torch (test_cli checks it): a usage error
+    # is said in a fraction of a second, not after torch's seconds of import.
     from engines.checkpoint import CheckpointError
-    from engines.loader import OptionError, load_engine
+    from engines.choices import ENCODER_BACKENDS, DecodeMode
+    from engines.loader import OptionError, checked_model
     from engines.whisper_languages import language_code
-    from transcribe.inputs import InputError, discover, parse_shard, shard
-    from transcribe.workers import Prespawned, default_workers
-    from engines.decode_modes import DecodeMode
-    from engines.encoder_backend import BACKENDS
-    from engines.encoder_backend import BackendOptions
     from transcribe.audio_frontend import FEATURES_ON
-    from transcribe.pipeline import Interrupted, remember_sigint, stop_if_signalled
+    from transcribe.inputs import InputError, discover, parse_shard, shard
+    from transcribe.signals import Interrupted, forget_signals, remember_sigint, stop_if_signalled
+    from transcribe.workers import Prespawned, default_workers
 
     remember_sigint()
-    check_choice("--encoder-backend", encoder_backend, BACKENDS)
+    check_choice("--encoder-backend", encoder_backend, ENCODER_BACKENDS)
     check_choice("--decoder-mode", decoder_mode, (m.value for m in DecodeMode))
     check_choice("--features-on", features_on, FEATURES_ON)
     check_runtime(device, dtype)
@@ -54,7 +54,6 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
             raise fail(str(e), EXIT_USAGE)
     if batch_seconds is not None and not math.isfinite(batch_seconds):
         raise fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
-    options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
     try:
         part = parse_shard(shard_spec) if shard_spec else None
     except ValueError as e:
@@ -75,11 +74,19 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
         typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
         return files, None, 0.0, None
+    try:  # the model's name, and whether it takes these options, before any worker or weight
+        model = checked_model(model, encoder_backend, features_on, language, task, prompt)
+    except OptionError as e:  # an option this model does not take (--language for Parakeet)
+        raise fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
     spares = Prespawned(workers or default_workers())
     engine = None
     try:
         try:
+            from engines.encoder_backend import BackendOptions
+            from engines.loader import load_engine
+
+            options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
             engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
                                  word_timestamps=words, language=language, task=task, prompt=prompt)
         except BaseException:
@@ -89,9 +96,10 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
             stop_if_signalled()
             raise
     except Interrupted as e:
+        forget_signals()  # said: a later job in this process (a library caller's) runs
         typer.echo(f"interrupted by {e} while the model loaded: nothing was transcribed", err=True)
         raise typer.Exit(128 + e.signum)
-    except OptionError as e:  # an option this model does not take (--language for Parakeet)
+    except OptionError as e:  # one known once the model is read (a language its vocabulary lacks)
         raise fail(str(e), EXIT_USAGE)
     except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
         raise fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
@@ -107,9 +115,9 @@ def interruptible(job, then: str = "run the same command again to resume"):
     """Run `job`; SIGINT / SIGTERM end the command with 128 + the signal after it cleaned up,
     saying `then`: what a rerun does."""
     from transcribe.output_writer import OutputStopped
-    from transcribe.pipeline import Interrupted
     from transcribe.resume import OutputBusy
     from transcribe.shm import SharedMemoryTooSmall
+    from transcribe.signals import Interrupted
     from transcribe.workers import WorkerStartError
 
     try:

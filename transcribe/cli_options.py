@@ -1,9 +1,11 @@
 """The command line's options: their help texts, the exit statuses, and the checks made on
 options as typed, before any model loads (a bad value is a usage error, exit 2; a folder that
-cannot be written is exit 1), so a typo never costs a minute of model loading.
+cannot be written is exit 1), so a typo never costs a minute of model loading, nor the
+seconds of importing torch (nothing here imports it).
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 import tempfile
@@ -42,6 +44,9 @@ BATCH_SECONDS = typer.Option(300.0, "--batch-seconds", min=1.0, help="Padded aud
                              "of memory runs again in halves).")
 MODEL = typer.Option(None, "--model", "-m", help="Registry name (see `transcribe models`) or path to a .nemo file. "
                      "Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base.")
+
+# `serve --log-level`: its names, and the logging levels they set.
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 def fail(message: str, code: int) -> typer.Exit:
@@ -110,7 +115,7 @@ def check_choice(option: str, value: str, choices, verb: str = "expected") -> No
 def check_runtime(device: str, dtype: str) -> None:
     """--device and --dtype name something that exists (whether this machine has it is the
     model loader's to say)."""
-    from engines.precision import DTYPE_CHOICES
+    from engines.choices import DTYPE_CHOICES
 
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
         raise fail(f"--device {device!r}: expected auto, cpu, cuda or cuda:N", EXIT_USAGE)

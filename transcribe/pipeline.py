@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import gc
 import queue
-import signal
 import sys
-import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -40,6 +37,7 @@ from transcribe.output_writer import OutputWriter
 from transcribe.results import Result
 from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
+from transcribe.signals import Interrupted, signals_raise, stop_if_signalled
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
 from transcribe.writers import WRITERS, ResultsLog, output_paths
@@ -47,47 +45,6 @@ from transcribe.writers import WRITERS, ResultsLog, output_paths
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
 IDLE_S = 0.05  # poll interval of the main loop while no piece waits
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived; everything finished before it is written."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-# The SIGINT / SIGTERM received, besides the exception its handler raises: a raise that lands in
-# a __del__ or a weakref callback is printed as "Exception ignored" and swallowed (a ^C during
-# the model's load was lost so once in ~80 tries, and that run went on to the end and exited
-# 0). The job checks this on entry and between batches, so a lost ^C still stops it.
-_received: list[int] = []
-
-
-def remember_sigint() -> None:
-    """From a command's start (main thread): ^C raises KeyboardInterrupt, as Python's default
-    handler does, and is remembered for the job."""
-    if threading.current_thread() is threading.main_thread():
-        _received.clear()
-        if not _ignored(signal.SIGINT):
-            signal.signal(signal.SIGINT, _sigint_before_the_job)
-
-
-def _ignored(signum: int) -> bool:
-    """The signal was ignored when this process started (a job started with `&` from a script,
-    `nohup`): it stays ignored, as programs keep an inherited SIG_IGN, and as Python does."""
-    return signal.getsignal(signum) is signal.SIG_IGN
-
-
-def _sigint_before_the_job(signum, frame) -> None:
-    _received.append(signum)
-    signal.default_int_handler(signum, frame)
-
-
-def stop_if_signalled() -> None:
-    """Raise Interrupted if a SIGINT / SIGTERM came (since `remember_sigint`), said or not."""
-    if _received:
-        raise Interrupted(_received[-1])
 
 
 @dataclass
@@ -145,7 +102,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         n_workers = workers or default_workers()
         stats.stage_seconds["plan"] += time.perf_counter() - t_start
         try:
-            with _signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
+            with signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
                 if todo:
                     job = _Job(engine, todo, stems, identities, kept, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
@@ -155,27 +112,6 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
                 stats.stage_seconds[k] += v
             stats.wall_seconds = time.perf_counter() - t_start
     return stats
-
-
-@contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the job runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        _received.append(signum)
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if not _ignored(s)}
-    try:
-        stop_if_signalled()  # one whose raise was lost before the job began
-        yield
-    finally:
-        _received.clear()  # said: a later job in this process starts afresh
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _header_seconds(path: Path) -> float:
@@ -244,7 +180,7 @@ class _Job:
                 # never runs, and a failure not flushed would be neither logged nor counted.
                 self.outputs.flush()
                 while self.files:
-                    stop_if_signalled()  # one whose Interrupted was lost (see _received)
+                    stop_if_signalled()  # one whose Interrupted was lost (see signals._received)
                     # Take every piece that has arrived (full buckets run as they fill), then,
                     # the model being free, run the fullest bucket rather than wait for more:
                     # pieces arriving meanwhile make the next batch, so batches grow exactly

@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from transcribe.cli_options import LOG_LEVELS
 from transcribe.streaming import protocol as P
 from transcribe.streaming.scheduler import Scheduler, SchedulerConfig, StreamingModel
 from transcribe.streaming.server import ServerConfig, serve_forever
@@ -18,7 +19,6 @@ from transcribe.streaming.session import SessionState
 
 
 # --log-level of `serve`: the least severe of our log lines shown
-LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
 def log_to_stderr(level: int, fmt: str) -> None:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from engines.choices import STREAM_BACKENDS
 from engines.chunked_pool import (DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, ChunkContext,
                                   ChunkedStreamPool, ChunkWindow, window_profiles)
 from engines.decode_stages import Hypothesis
@@ -41,7 +42,6 @@ from transcribe.streaming.transcript import StreamTranscript, Update
 
 # Encoder backends of chunked streaming (`engines.encoder_backend`): its windows are short and
 # their shapes few, so TensorRT's engine build and torch.compile's are not offered here.
-STREAM_BACKENDS = ("auto", "torch", "cuda-graphs")
 
 
 class Busy(RuntimeError):

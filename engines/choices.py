@@ -1,0 +1,25 @@
+"""The names the engine options take (--encoder-backend, --decoder-mode, --dtype), in a module
+that imports no torch: the command line checks an option as typed before anything heavier is
+imported, so a typo is answered at once rather than after torch's seconds of import.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+ENCODER_BACKENDS = ("auto", "torch", "compile", "cuda-graphs", "tensorrt")
+# The window encoder of a stream (`transcribe serve`, engines/streaming_encoder.py).
+STREAM_BACKENDS = ("auto", "torch", "cuda-graphs")
+
+# The encoder's compute dtypes by name (engines/precision.py maps them to torch dtypes), and the
+# short names `transcribe export-engine --precision` uses, accepted by --dtype as well.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *DTYPE_ALIASES)
+
+
+class DecodeMode(str, Enum):
+    """How a decoder loop runs (engines/decode_modes.py): the best one available is `auto`."""
+    AUTO = "auto"
+    FULL_GRAPH = "full-graph"
+    UNROLLED = "unrolled"
+    EAGER = "eager"

@@ -1,0 +1,79 @@
+"""SIGINT and SIGTERM, for a transcribing command: remembered from the command's start
+(`remember_sigint`), raised as `Interrupted` in the main thread while the job runs
+(`signals_raise`), and forgotten once said, so that a later job in the same process starts
+afresh. Imports no torch: the command line checks its options before torch's seconds of import.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived; everything finished before it is written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# The SIGINT / SIGTERM received, besides the exception its handler raises: a raise that lands in
+# a __del__ or a weakref callback is printed as "Exception ignored" and swallowed (a ^C during
+# the model's load was lost so once in ~80 tries, and that run went on to the end and exited
+# 0). The job checks this on entry and between batches, so a lost ^C still stops it.
+_received: list[int] = []
+
+
+def remember_sigint() -> None:
+    """From a command's start (main thread): ^C raises KeyboardInterrupt, as Python's default
+    handler does, and is remembered for the job."""
+    if threading.current_thread() is threading.main_thread():
+        _received.clear()
+        if not _ignored(signal.SIGINT):
+            signal.signal(signal.SIGINT, _sigint_before_the_job)
+
+
+def _ignored(signum: int) -> bool:
+    """The signal was ignored when this process started (a job started with `&` from a script,
+    `nohup`): it stays ignored, as programs keep an inherited SIG_IGN, and as Python does."""
+    return signal.getsignal(signum) is signal.SIG_IGN
+
+
+def _sigint_before_the_job(signum, frame) -> None:
+    _received.append(signum)
+    signal.default_int_handler(signum, frame)
+
+
+def stop_if_signalled() -> None:
+    """Raise Interrupted if a SIGINT / SIGTERM came (since `remember_sigint`), said or not."""
+    if _received:
+        raise Interrupted(_received[-1])
+
+
+def forget_signals() -> None:
+    """The signals received so far have been said (the command reported its interruption):
+    a later job in this process, a library caller's, is not stopped by them."""
+    _received.clear()
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the job runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        _received.append(signum)
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if not _ignored(s)}
+    try:
+        stop_if_signalled()  # one whose raise was lost before the job began
+        yield
+    finally:
+        forget_signals()  # said: a later job in this process starts afresh
+        for s, h in old.items():
+            signal.signal(s, h)
