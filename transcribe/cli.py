@@ -84,9 +84,9 @@ def transcribe(
     if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
         (out / "results.jsonl").touch()
         raise typer.Exit(EXIT_OK)
-    from transcribe.pipeline import run  # torch: imported once the options are known to be good
-
     with spares:
+        from transcribe.pipeline import run  # torch's: imported once the options are known to be good
+
         stats = interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares),
                                "run it again without --force to resume" if force else
@@ -126,9 +126,9 @@ def bench(
     files, engine, load_s, spares = prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
                                              language=language, prompt=prompt, out=out, report=json_path)
-    from transcribe.pipeline import run  # torch: imported once the options are known to be good
-
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
+        from transcribe.pipeline import run  # torch's: imported once the options are known to be good
+
         out_dir = out or Path(tmp)
         stats = interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
                                            workers=workers, progress=False, prespawned=spares),
