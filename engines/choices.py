@@ -7,7 +7,8 @@ from __future__ import annotations
 from enum import Enum
 
 ENCODER_BACKENDS = ("auto", "torch", "compile", "cuda-graphs", "tensorrt")
-# The window encoder of a stream (`transcribe serve`, engines/streaming_encoder.py).
+# Encoder backends of chunked streaming (`transcribe serve`): its windows are short and their
+# shapes few, so TensorRT's engine build and torch.compile's are not offered there.
 STREAM_BACKENDS = ("auto", "torch", "cuda-graphs")
 
 # The encoder's compute dtypes by name (engines/precision.py maps them to torch dtypes), and the

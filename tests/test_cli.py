@@ -339,8 +339,8 @@ def test_a_usage_error_is_said_before_torch_is_imported(tmp_path, args, code):
     (tmp_path / "blocked").write_text("")
     names = {"AUDIO": str(ref.audio_path(0)), "EMPTY": str(tmp_path / "empty"), "BLOCKED": str(tmp_path / "blocked")}
     args = [names.get(a, a) for a in args]
-    if args[0] != "serve":
-        args += ["--out", str(tmp_path / "x")] if "--out" not in args and args[0] != "stream" else []
+    if args[0] not in ("serve", "stream") and "--out" not in args:
+        args += ["--out", str(tmp_path / "x")]
     p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args, "--model", str(ref.nemo)], capture_output=True,
                        text=True, timeout=120)
     assert p.stdout.split() == ["exit", str(code), "False"], (p.stdout, p.stderr)

@@ -45,7 +45,7 @@ BATCH_SECONDS = typer.Option(300.0, "--batch-seconds", min=1.0, help="Padded aud
 MODEL = typer.Option(None, "--model", "-m", help="Registry name (see `transcribe models`) or path to a .nemo file. "
                      "Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base.")
 
-# `serve --log-level`: its names, and the logging levels they set.
+# `serve --log-level`: its names, and the least severe of our log lines each shows.
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 

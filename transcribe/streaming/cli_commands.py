@@ -18,9 +18,6 @@ from transcribe.streaming.server import ServerConfig, serve_forever
 from transcribe.streaming.session import SessionState
 
 
-# --log-level of `serve`: the least severe of our log lines shown
-
-
 def log_to_stderr(level: int, fmt: str) -> None:
     """Log lines on stderr: ours (the `transcribe` and `engines` loggers: the address served,
     the chunking, the attention kernel, clients dropped) from `level` up, other libraries'

@@ -40,10 +40,6 @@ from transcribe.streaming.session import IncrementalLogMel, SessionBase, Session
 from transcribe.streaming.transcript import StreamTranscript, Update
 
 
-# Encoder backends of chunked streaming (`engines.encoder_backend`): its windows are short and
-# their shapes few, so TensorRT's engine build and torch.compile's are not offered here.
-
-
 class Busy(RuntimeError):
     """Every slot is taken and the waiting queue is full."""
 
