@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from engines.checkpoint import REGISTRY, CheckpointError, hub_reachable, resolve_checkpoint
+from engines.whisper_languages import language_code
 
 DEFAULT_PARAKEET = "parakeet-tdt-0.6b-v2"
 BUNDLED = "whisper-base"
@@ -91,6 +92,36 @@ def checked_model(model: str | None, encoder_backend: str = "auto", features_on:
         raise OptionError(f"features on {features_on!r} is for Parakeet models; {name} (Whisper) computes its "
                          "features in the workers")
     return name
+
+
+def streaming_model_name(model: str) -> str:
+    """`model`'s name for `stream` / `serve`, which run FastConformer transducers only:
+    OptionError for a Whisper model. Imports no torch: the command says it at once."""
+    name = choose_model(model)
+    if is_whisper(name):
+        raise OptionError(f"{model} is a Whisper model: streaming takes FastConformer transducers "
+                          "(TDT / RNN-T .nemo) only")
+    return name
+
+
+def settings_before_load(name: str, language: str | None = None, task: str = "transcribe",
+                         prompt: str | None = None) -> dict[str, str] | None:
+    """The `settings` (transcribe.engine_api.Engine) that `load_engine`'s engine for `name`
+    (`checked_model`'s) will have with these options, where they are known without reading the
+    model: Parakeet's are none; a Whisper model named in the registry or bundled records its
+    language and task, an English-only (.en) one none. None where only the model can say: a
+    Whisper checkpoint path (is it multilingual?), a prompt (the text kept is cut by tokens), an
+    English-only model asked for another language or task (its load refuses them), or a path
+    that is not there (its load says so). The transcribe command skips loading when these
+    settings find every file done already; tests/test_resume.py holds them to the engines'."""
+    if not is_whisper(name):
+        return {} if name in REGISTRY or Path(name).is_file() else None
+    if prompt is not None or not (name in WHISPER_NAMES or name in REGISTRY):
+        return None
+    code = "en" if language is None else language_code(language)
+    if name.endswith(".en"):
+        return {} if code in ("en", "auto") and task == "transcribe" else None
+    return {"language": code, "task": task}
 
 
 def load_engine(model: str | None, device: str = "auto", encoder_backend: str = "auto", decoder_mode: str = "auto",

@@ -348,6 +348,29 @@ def test_a_usage_error_is_said_before_torch_is_imported(tmp_path, args, code):
 
 
 @needs_shared
+def test_a_rerun_with_every_file_done_ends_before_the_model_loads(tmp_path):
+    """A rerun from cron over a folder with nothing new imports no torch, spawns no worker and
+    reads no weights (half a second, not the model's load), ends with the usual last line and
+    exit 0, and leaves the log as it was; --force loads the model and redoes every file."""
+    ref = Reference("tdt_tiny")
+    inp, out = tmp_path / "in", tmp_path / "out"
+    inp.mkdir()
+    for i in range(2):
+        (inp / f"{i}.flac").write_bytes(ref.audio_path(i).read_bytes())
+    args = [str(inp), "--model", str(ref.nemo), "--out", str(out)]
+    assert run_cli(*args).returncode == 0
+    log = (out / "results.jsonl").read_text()
+    p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args], capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["exit", "0", "False"], (p.stdout, p.stderr)
+    assert "not loaded: every file is done already" in p.stderr
+    assert "0 files transcribed, 0 failed, 2 already done" in p.stderr
+    assert (out / "results.jsonl").read_text() == log
+    forced = run_cli(*args, "--force")
+    assert forced.returncode == 0 and "2 files transcribed, 0 failed, 0 already done" in forced.stderr
+    assert "not loaded" not in forced.stderr
+
+
+@needs_shared
 def test_option_values_no_model_takes_are_usage_errors(tmp_path):
     """A value that is no device, task or language code, or a Whisper option given to a
     Parakeet model, exits 2 (usage) before any work, like a bad --dtype."""
@@ -372,12 +395,16 @@ def test_option_values_no_model_takes_are_usage_errors(tmp_path):
                          ids=["stream", "serve", "export-engine"])
 def test_a_whisper_model_where_only_parakeet_runs_is_a_usage_error(tmp_path, command):
     """stream, serve and export-engine take Parakeet models: a Whisper one is the user's to
-    change, like --language for Parakeet (2), said before anything loads."""
+    change, like --language for Parakeet (2), said before anything loads (stream and serve:
+    before torch is imported too)."""
     audio = SPEECH / "jfk" / "jfk.flac"
     args = [str(audio) if a == "AUDIO" else a.replace("OUT", str(tmp_path)) for a in command]
-    p = run_cli(*args[:1], "--model", "whisper-base", *args[1:])
-    assert p.returncode == 2, p.stderr
+    p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args[:1], "--model", "whisper-base", *args[1:]],
+                       capture_output=True, text=True, timeout=120)
+    _, code, torch_imported = p.stdout.split()
+    assert code == "2", p.stderr
     assert "whisper-base is a Whisper model" in p.stderr and "Traceback" not in p.stderr
+    assert torch_imported == "False" or command[0] == "export-engine"
 
 
 @needs_shared

@@ -1,11 +1,14 @@
-"""`plan_resume`: which files a rerun skips, by the log's lines and the outputs they name."""
+"""`plan_resume`: which files a rerun skips, by the log's lines and the outputs they name; `all_done`:
+whether a rerun needs the model at all."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from transcribe.inputs import InputFile
-from transcribe.resume import file_identity, plan_resume
+from transcribe.resume import all_done, file_identity, out_dir_lock, plan_resume
 
 
 def _inputs(tmp_path, names):
@@ -91,3 +94,55 @@ def test_an_output_another_file_took_since_is_no_longer_the_first_files(tmp_path
     plan = plan_resume([InputFile(a, Path("a.wav"))], out / "results.jsonl", False, ident, model="m",
                        outputs=lambda f: [Path("a.json")], names=names)
     assert plan.kept == {a: ["a.srt"]}
+
+
+def test_all_done_is_plan_resumes_test_reading_only_and_false_while_a_run_writes(tmp_path):
+    """`all_done` lets a rerun end before any model loads: true only when the plan would skip
+    every file (same audio, model, settings, outputs), never while another run holds the folder,
+    and it rewrites nothing (the plan drops the lines of files it redoes; a look must not)."""
+    audio, out, ident, line = _inputs(tmp_path, ("a", "b"))
+    files = [InputFile(p, Path(p.name)) for p in audio.values()]
+    log = out / "results.jsonl"
+    assert not all_done(files, out, ["txt"], "m", {})  # no log yet
+    lines = [line(n, settings={"language": "en"}, outputs=[f"{n}.txt"]) for n in audio]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert all_done(files, out, ["txt"], "m", {"language": "en"})
+    assert not all_done(files, out, ["txt"], "n", {"language": "en"})  # another model
+    assert not all_done(files, out, ["txt"], "m", {"language": "de"})  # other settings
+    assert not all_done(files, out, ["txt", "srt"], "m", {"language": "en"})  # an output not written
+    with out_dir_lock(out):  # a run writing there now
+        assert not all_done(files, out, ["txt"], "m", {"language": "en"})
+    assert all_done(files, out, ["txt"], "m", {"language": "en"})  # and the kernel let go of it
+    broken = [lines[0], {**lines[1], "status": "error"}]
+    log.write_text(text := "".join(json.dumps(r) + "\n" for r in broken))
+    assert not all_done(files, out, ["txt"], "m", {"language": "en"})
+    assert log.read_text() == text  # read only: the failed file's line stays for the run to redo
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    audio["b"].write_bytes(b"changed")  # the audio changed since its line
+    assert not all_done(files, out, ["txt"], "m", {"language": "en"})
+
+
+def test_settings_known_before_the_load_are_the_loaded_engines(tmp_path):
+    """What `settings_before_load` says without reading a model is what the engine `load_engine`
+    makes reports (a mismatch would skip files another language or task must redo), and it
+    says nothing where only the model knows."""
+    from conftest import NEMO_REF
+    from engines.loader import checked_model, load_engine, settings_before_load
+    from engines.whisper_weights import WhisperWeightsError, bundled_base_dir
+
+    nemo = NEMO_REF / "tdt_tiny" / "model.nemo"
+    if not nemo.is_file():
+        pytest.skip(f"shared fixtures not found at {NEMO_REF}")
+    assert settings_before_load(checked_model(str(nemo))) == load_engine(str(nemo)).settings == {}
+    try:
+        bundled_base_dir()
+    except WhisperWeightsError as e:
+        pytest.skip(str(e))
+    for language, task in ((None, "transcribe"), ("auto", "translate"), ("German", "transcribe")):
+        engine = load_engine("whisper-base", language=language, task=task)
+        assert settings_before_load("whisper-base", language, task) == engine.settings, (language, task)
+    assert settings_before_load("whisper-base", prompt="Kennedy") is None  # cut by tokens
+    assert settings_before_load("whisper-base.en") == {} and settings_before_load("whisper-base.en", "de") is None
+    (tmp_path / "w.pt").write_bytes(b"x")
+    assert settings_before_load(str(tmp_path / "w.pt")) is None  # multilingual or not: its vocabulary says
+    assert settings_before_load(str(tmp_path / "gone.nemo")) is None  # its load says what is wrong

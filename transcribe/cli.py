@@ -70,6 +70,7 @@ def transcribe(
     task: str = TASK,
     prompt: Optional[str] = PROMPT,
 ) -> None:
+    from transcribe.resume import all_done
     from transcribe.writers import needs_words, parse_formats
 
     out = folder_option(out_arg)
@@ -78,11 +79,16 @@ def transcribe(
     except ValueError as e:
         raise fail(str(e), EXIT_USAGE)
     t0 = time.perf_counter()
+    # A rerun (from cron, say) over a folder with nothing new ends before workers or weights.
+    finished = None if force else lambda files, name, settings: all_done(files, out, formats, name, settings)
     files, engine, _, spares = prepare(inputs, model, device, shard_spec, workers, encoder_backend, decoder_mode,
                                         features_on, dtype, batch_seconds, words=needs_words(formats), language=language,
-                                        task=task, prompt=prompt, out=out)
+                                        task=task, prompt=prompt, out=out, finished=finished)
     if not files:  # an empty shard succeeds, with its results.jsonl for `transcribe merge`
         (out / "results.jsonl").touch()
+        raise typer.Exit(EXIT_OK)
+    if engine is None:  # every file done already
+        _summary(0, 0, len(files), 0.0, time.perf_counter() - t0, out)
         raise typer.Exit(EXIT_OK)
     with spares:
         from transcribe.pipeline import run  # torch's: imported once the options are known to be good
@@ -91,14 +97,16 @@ def transcribe(
                                            workers=workers, progress=progress, prespawned=spares),
                                "run it again without --force to resume" if force else
                                "run the same command again to resume")
-    wall = time.perf_counter() - t0
-    rtfx = stats.audio_seconds / wall if wall > 0 else 0.0
-    typer.echo(
-        f"{stats.files_ok} files transcribed, {stats.files_failed} failed, {stats.files_skipped} already done; "
-        f"{stats.audio_seconds / 3600:.3f} h audio in {wall:.1f} s, RTFx {rtfx:.1f} -> {out}",
-        err=True,
-    )
+    _summary(stats.files_ok, stats.files_failed, stats.files_skipped, stats.audio_seconds,
+             time.perf_counter() - t0, out)
     raise typer.Exit(EXIT_SOME_FAILED if stats.files_failed else EXIT_OK)
+
+
+def _summary(ok: int, failed: int, skipped: int, audio_s: float, wall: float, out: Path) -> None:
+    """The run's last line (scripts read it): files, audio hours, wall time and RTFx."""
+    rtfx = audio_s / wall if wall > 0 else 0.0
+    typer.echo(f"{ok} files transcribed, {failed} failed, {skipped} already done; "
+               f"{audio_s / 3600:.3f} h audio in {wall:.1f} s, RTFx {rtfx:.1f} -> {out}", err=True)
 
 
 @sub_app.command(help="Transcribe INPUTs and report RTFx, per-stage time, peak memory and WER (when references exist).")
@@ -197,7 +205,12 @@ def stream(
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
     check_streaming(chunk_ms, left_ms, right_ms)  # before torch's seconds of import
-    from engines.loader import OptionError
+    from engines.loader import OptionError, streaming_model_name
+
+    try:
+        streaming_model_name(model)
+    except OptionError as e:  # a Whisper model
+        raise fail(str(e), EXIT_USAGE)
     from transcribe.audio import AudioError
     from transcribe.streaming.cli_commands import log_to_stderr, stream_file
 
@@ -242,7 +255,12 @@ def serve(
     check_choice("--encoder-backend", encoder_backend, STREAM_BACKENDS, "serve takes")
     check_runtime(device, dtype)
     check_streaming(chunk_ms, left_ms, right_ms)
-    from engines.loader import OptionError
+    from engines.loader import OptionError, streaming_model_name
+
+    try:
+        streaming_model_name(model)
+    except OptionError as e:  # a Whisper model
+        raise fail(str(e), EXIT_USAGE)
     from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
 

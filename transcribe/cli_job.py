@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -20,9 +20,13 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
              workers: Optional[int], encoder_backend: str = "auto", decoder_mode: str = "auto",
              features_on: str = "auto", dtype: str = "auto", batch_seconds: float | None = None,
              words: bool = True, language: Optional[str] = None, task: str = "transcribe",
-             prompt: Optional[str] = None, out: Optional[Path] = None, report: Optional[Path] = None):
+             prompt: Optional[str] = None, out: Optional[Path] = None, report: Optional[Path] = None,
+             finished: Optional[Callable[[list, str, dict], bool]] = None):
     """Discover inputs and load the engine; returns (files, engine, load seconds, prespawned
     workers). The workers are spawned before the model loads so their start overlaps it.
+    The engine is None where none is needed: a shard with no files, or when `finished(files,
+    model, settings)` says every file is done already by that model with those settings
+    (`loader.settings_before_load`, where they are known before the model is read).
     `batch_seconds` (the run's --batch-seconds) shapes the encoder backend's profiles, so a
     TensorRT engine built by `export-engine --batch-seconds` with the same value is found.
     `words`: an output shows word times (Whisper aligns words only then). `language`, `task`,
@@ -33,7 +37,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     # is said in a fraction of a second, not after torch's seconds of import.
     from engines.checkpoint import CheckpointError
     from engines.choices import ENCODER_BACKENDS, DecodeMode
-    from engines.loader import OptionError, checked_model
+    from engines.loader import OptionError, checked_model, settings_before_load
     from engines.whisper_languages import language_code
     from transcribe.audio_frontend import FEATURES_ON
     from transcribe.inputs import InputError, discover, parse_shard, shard
@@ -78,6 +82,11 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
         model = checked_model(model, encoder_backend, features_on, language, task, prompt)
     except OptionError as e:  # an option this model does not take (--language for Parakeet)
         raise fail(str(e), EXIT_USAGE)
+    if finished is not None:
+        settings = settings_before_load(model, language, task, prompt)
+        if settings is not None and finished(files, model, settings):
+            typer.echo(f"model: {model} not loaded: every file is done already", err=True)
+            return files, None, 0.0, None
     t0 = time.perf_counter()
     spares = Prespawned(workers or default_workers())
     engine = None

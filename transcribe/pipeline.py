@@ -35,12 +35,12 @@ from transcribe.file_language import FileLanguages
 from transcribe.inputs import InputFile, output_stems
 from transcribe.output_writer import OutputWriter
 from transcribe.results import Result
-from transcribe.resume import file_identity, out_dir_lock, plan_resume, sweep_leftovers
+from transcribe.resume import file_identity, out_dir_lock, outputs_of, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
 from transcribe.signals import Interrupted, signals_raise, stop_if_signalled
 from transcribe.stitching import stitch
 from transcribe.workers import FileTimeout, Piece, Prespawned, WorkerPool, default_workers
-from transcribe.writers import WRITERS, ResultsLog, output_paths
+from transcribe.writers import WRITERS, ResultsLog
 
 SLAB_BYTES = 128 << 20  # shared memory for features waiting for the model
 MAX_SLOTS = 1024
@@ -94,8 +94,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         identities = {f.path: file_identity(f.path) for f in files}
         todo, stats.files_skipped, kept = plan_resume(
             files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
-            outputs=lambda f: list(output_paths(stems[f.key], formats).values()),
-            names=lambda f: list(output_paths(stems[f.key], list(WRITERS)).values()))
+            outputs=outputs_of(stems, formats), names=outputs_of(stems, list(WRITERS)))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)

@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from transcribe.inputs import InputFile, record_key
-from transcribe.writers import TEMP_MARK, atomic_write_text, read_results, results_line
+from transcribe.inputs import InputFile, output_stems, record_key
+from transcribe.writers import TEMP_MARK, atomic_write_text, output_paths, read_results, results_line
 
 # writers.StagedWrites' temporary names only: a look-alike (`.notes.abcd1234.tmp`) is the user's.
 _TEMP_OUTPUT = re.compile(rf"^\..+\.{re.escape(TEMP_MARK)}[a-z0-9_]{{8}}\.tmp$")
@@ -98,6 +98,12 @@ class ResumePlan(NamedTuple):
     kept: dict[Path, list[str]]
 
 
+def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFile], list[Path]]:
+    """A file -> the outputs (relative to --out) that `formats` write for it, its stem from `stems`
+    (`inputs.output_stems`)."""
+    return lambda f: list(output_paths(stems[f.key], formats).values())
+
+
 def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities: dict[Path, dict],
                 model: str | None = None, settings: dict[str, str] | None = None,
                 outputs: Callable[[InputFile], list[Path]] = lambda f: [],
@@ -117,32 +123,59 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     records = read_results(log_path)
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
+    done, kept = (set(), {}) if force else _done(records, keys, by_key, log_path.parent, identities, model,
+                                                 settings, outputs, names)
+    keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
+    if len(keep) != len(records):
+        atomic_write_text(log_path, "".join(results_line(r) for r in keep))
+    todo = [f for f in files if f.key not in done]
+    return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done})
+
+
+def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identities: dict[Path, dict],
+          model: str | None, settings: dict[str, str] | None, outputs: Callable[[InputFile], list[Path]],
+          names: Callable[[InputFile], list[Path]]) -> tuple[set, dict[Path, list[str]]]:
+    """The keys of `by_key` that `records` show done, and the outputs kept for the others
+    (`plan_resume` says what each argument is and why)."""
     # Each output to the last line that lists it: a later run that gave its name to another file
     # (an `a.wav` of another input folder, into the same --out) wrote over it, so the earlier
     # line's file is done again rather than vouched for by the other file's transcript.
     owner = {p: key for r, key in zip(records, keys) if isinstance(r.get("outputs"), list)
              for p in r["outputs"] if isinstance(p, str)}
     done, kept = set(), {}
-    if not force:
-        for r, key in zip(records, keys):
-            if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
-                "size": r.get("size"), "mtime": r.get("mtime")
-            } and (model is None or r.get("model") == model) and (
-                settings is None or r.get("settings", {}) == settings
-            ):
-                f = by_key[key]
-                wanted = outputs(f)
-                if _vouched(r, wanted, log_path.parent) and all(owner.get(p.as_posix(), key) == key for p in wanted):
-                    done.add(key)
-                    continue
-                ours, named = {p.as_posix() for p in wanted}, {p.as_posix() for p in names(f)}
-                kept[key] = [p for p in r.get("outputs") or () if p not in ours and p in named
-                             and owner.get(p) == key and (log_path.parent / p).exists()]
-    keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
-    if len(keep) != len(records):
-        atomic_write_text(log_path, "".join(results_line(r) for r in keep))
-    todo = [f for f in files if f.key not in done]
-    return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done})
+    for r, key in zip(records, keys):
+        if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
+            "size": r.get("size"), "mtime": r.get("mtime")
+        } and (model is None or r.get("model") == model) and (
+            settings is None or r.get("settings", {}) == settings
+        ):
+            f = by_key[key]
+            wanted = outputs(f)
+            if _vouched(r, wanted, out_dir) and all(owner.get(p.as_posix(), key) == key for p in wanted):
+                done.add(key)
+                continue
+            ours, named = {p.as_posix() for p in wanted}, {p.as_posix() for p in names(f)}
+            kept[key] = [p for p in r.get("outputs") or () if p not in ours and p in named
+                         and owner.get(p) == key and (out_dir / p).exists()]
+    return done, kept
+
+
+def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: str, settings: dict[str, str]) -> bool:
+    """Every one of `files` is done in `out_dir` (`plan_resume`'s test, by `model` with
+    `settings`, writing these `formats`), and no run is writing there now: a rerun from cron
+    over a folder with nothing new can end before any worker spawns or weights load. Reads
+    only; a broken log line is left for the run's own plan to name."""
+    log_path = out_dir / "results.jsonl"
+    if not log_path.is_file() or writer_of(out_dir) is not None:
+        return False
+    records = read_results(log_path, notes=False)
+    keys = [record_key(r) for r in records]
+    by_key = {f.key: f for f in files}
+    stems = output_stems(files)
+    identities = {f.path: file_identity(f.path) for f in files}
+    done, _ = _done(records, keys, by_key, out_dir, identities, model, settings, outputs_of(stems, formats),
+                    lambda f: [])
+    return done == set(by_key)
 
 
 def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:

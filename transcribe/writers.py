@@ -295,8 +295,9 @@ def _record(raw: bytes):
         return None
 
 
-def read_results(path: Path) -> list[dict]:
-    """Every complete record of a results.jsonl (a missing file has none)."""
+def read_results(path: Path, notes: bool = True) -> list[dict]:
+    """Every complete record of a results.jsonl (a missing file has none); `notes`: say which
+    lines are not records (a reader that only looks first says nothing, so the note comes once)."""
     if not path.exists():
         return []
     out = []
@@ -311,7 +312,8 @@ def read_results(path: Path) -> list[dict]:
                     and _is_offset(record.get("offset"))):
                 # Edited by hand or damaged on disk: a note, and its file, with no line that
                 # says it is done, is done again.
-                print(f"note: {path}:{lineno}: not a results record, skipped", file=sys.stderr)
+                if notes:
+                    print(f"note: {path}:{lineno}: not a results record, skipped", file=sys.stderr)
                 continue
             out.append(record)
     return out
