@@ -1,5 +1,5 @@
-"""The names the engine options take (--encoder-backend, --decoder-mode, --dtype), in a module
-that imports no torch: the command line checks an option as typed before anything heavier is
+"""The names and defaults the engine options take (--encoder-backend, --decoder-mode, --dtype,
+export-engine's --precision and batch profile), in a module that imports no torch: the command line checks an option as typed before anything heavier is
 imported, so a typo is answered at once rather than after torch's seconds of import.
 """
 from __future__ import annotations
@@ -16,6 +16,14 @@ STREAM_BACKENDS = ("auto", "torch", "cuda-graphs")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES, *DTYPE_ALIASES)
+# A TensorRT engine's precision (export-engine --precision, a key of its cache): those short names.
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+# Rows per batch a profile allows: the pipeline's default budget (`--batch-seconds 300`) over
+# the bucket's edge, capped at DEFAULT_MAX_BATCH (the same rule as `Batcher.capacity`). Bigger
+# batches run as several bucket-sized chunks (engines/encoder_backend.py).
+DEFAULT_MAX_BATCH = 64
+DEFAULT_BATCH_SECONDS = 300.0
 
 
 class DecodeMode(str, Enum):

@@ -16,16 +16,11 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from engines.choices import ENCODER_BACKENDS
+from engines.choices import DEFAULT_BATCH_SECONDS, DEFAULT_MAX_BATCH, ENCODER_BACKENDS
 
 # Length edges (s) of the batch buckets. Steps of about 1.25x keep padding within a batch small;
 # the last edge is the longest piece the pipeline cuts (DEFAULT_MAX_PIECE_SECONDS).
 DEFAULT_EDGES_S = (2.0, 4.0, 6.0, 8.0, 10.0, 12.5, 15.0, 17.5, 20.0, 25.0, 30.0, 35.0, 40.0)
-# Rows per batch a profile allows: the pipeline's default budget (`--batch-seconds 300`) over
-# the bucket's edge, capped at DEFAULT_MAX_BATCH (the same rule as `Batcher.capacity`). Bigger
-# batches run as several bucket-sized chunks.
-DEFAULT_MAX_BATCH = 64
-DEFAULT_BATCH_SECONDS = 300.0
 
 log = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from typing import Sequence
 
 import torch
 
+from engines.choices import PRECISIONS
 from engines.encoder_backend import BucketProfile
 from transcribe.writers import FILE_MODE, atomic_write_bytes  # the one atomic write (temp, fsync, rename)
 
-PRECISIONS = ("fp32", "fp16", "bf16")
 ENGINE_FORMAT = 1  # bump when the export or the build recipe changes: old entries then miss
 OPSET = 17  # LayerNormalization is an ONNX op from 17 on: TensorRT's normalization layer
 TENSORRT_HINT = "pip install 'transcribe[tensorrt]'"

@@ -330,6 +330,7 @@ except SystemExit as e:
     (["AUDIO", "--language", "German"], 2), (["AUDIO", "--task", "translate"], 2), (["AUDIO", "--shard", "3/2"], 2),
     (["EMPTY"], 1), (["AUDIO", "--out", "BLOCKED"], 1), (["bench", "AUDIO", "--prompt", "Kennedy"], 2),
     (["serve", "--device", "tpu"], 2), (["serve", "--log-level", "loud"], 2), (["stream", "AUDIO", "--chunk-ms", "0"], 2),
+    (["export-engine", "--precision", "fp8"], 2),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_a_usage_error_is_said_before_torch_is_imported(tmp_path, args, code):
     """Options are checked as typed, and the model's name against them, before anything heavy
@@ -339,7 +340,7 @@ def test_a_usage_error_is_said_before_torch_is_imported(tmp_path, args, code):
     (tmp_path / "blocked").write_text("")
     names = {"AUDIO": str(ref.audio_path(0)), "EMPTY": str(tmp_path / "empty"), "BLOCKED": str(tmp_path / "blocked")}
     args = [names.get(a, a) for a in args]
-    if args[0] not in ("serve", "stream") and "--out" not in args:
+    if args[0] not in ("serve", "stream", "export-engine") and "--out" not in args:
         args += ["--out", str(tmp_path / "x")]
     p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args, "--model", str(ref.nemo)], capture_output=True,
                        text=True, timeout=120)
@@ -395,8 +396,7 @@ def test_option_values_no_model_takes_are_usage_errors(tmp_path):
                          ids=["stream", "serve", "export-engine"])
 def test_a_whisper_model_where_only_parakeet_runs_is_a_usage_error(tmp_path, command):
     """stream, serve and export-engine take Parakeet models: a Whisper one is the user's to
-    change, like --language for Parakeet (2), said before anything loads (stream and serve:
-    before torch is imported too)."""
+    change, like --language for Parakeet (2), said before anything loads or torch is imported."""
     audio = SPEECH / "jfk" / "jfk.flac"
     args = [str(audio) if a == "AUDIO" else a.replace("OUT", str(tmp_path)) for a in command]
     p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args[:1], "--model", "whisper-base", *args[1:]],
@@ -404,7 +404,7 @@ def test_a_whisper_model_where_only_parakeet_runs_is_a_usage_error(tmp_path, com
     _, code, torch_imported = p.stdout.split()
     assert code == "2", p.stderr
     assert "whisper-base is a Whisper model" in p.stderr and "Traceback" not in p.stderr
-    assert torch_imported == "False" or command[0] == "export-engine"
+    assert torch_imported == "False"
 
 
 @needs_shared

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engines.encoder_backend import DEFAULT_BATCH_SECONDS, DEFAULT_MAX_BATCH, BackendOptions, feature_profiles
-from engines.encoder_tensorrt_build import PRECISIONS, TENSORRT_HINT, default_cache_dir, model_digest
+# Only torch-free names here: a bad --precision or a Whisper --model is said before torch's
+# seconds of import (test_cli), as the other commands' usage errors are.
+from engines.choices import DEFAULT_BATCH_SECONDS, DEFAULT_MAX_BATCH, PRECISIONS
 
 EXIT_OK, EXIT_NOTHING_RAN, EXIT_USAGE = 0, 1, 2
 
@@ -44,21 +45,21 @@ class ExportRequest:
             raise ValueError(f"--max-batch {self.max_batch}: expected >= 1")
 
 
-def _nemo_path(model: str | None) -> Path:
-    from engines.checkpoint import resolve_checkpoint
+def _parakeet_name(model: str | None) -> str:
+    """The model to export; a Whisper one is a usage error (exit 2). Reads no weights."""
     from engines.loader import choose_model, is_whisper
 
     name = choose_model(model, bundled=False)  # the bundled whisper-base has no encoder to export
     if is_whisper(name):  # a model the command does not take: the user's to change, as --language for Parakeet
         raise ExportError(f"{name} is a Whisper model: export-engine builds Parakeet (.nemo) encoders only", EXIT_USAGE)
-    return resolve_checkpoint(name)
+    return name
 
 
 def _tensorrt_ready() -> None:
     """Raise ExportError (exit 1) unless the tensorrt package imports and a CUDA GPU is present."""
     import torch
 
-    from engines.encoder_tensorrt_build import TensorRTUnavailable, import_tensorrt
+    from engines.encoder_tensorrt_build import TENSORRT_HINT, TensorRTUnavailable, import_tensorrt
 
     try:
         import_tensorrt()
@@ -71,15 +72,17 @@ def _tensorrt_ready() -> None:
 
 def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> int:
     """Run the export; returns the exit status (0 done). ExportError carries failures."""
-    from engines.checkpoint import CheckpointError, NemoArchive
+    name = _parakeet_name(req.model)
+    from engines.checkpoint import CheckpointError, NemoArchive, resolve_checkpoint
     from engines.conformer import EncoderConfig
-    from engines.encoder_tensorrt_build import ensure_engine, export_onnx
+    from engines.encoder_backend import BackendOptions, feature_profiles
+    from engines.encoder_tensorrt_build import default_cache_dir, ensure_engine, export_onnx, model_digest
     from transcribe.features import FeatureConfig
 
     if not req.onnx_only and req.onnx is None:
-        _tensorrt_ready()  # fail fast: nothing else was asked for
+        _tensorrt_ready()  # fail fast, before a download: nothing else was asked for
     try:
-        nemo = _nemo_path(req.model)
+        nemo = resolve_checkpoint(name)
         with NemoArchive(nemo) as archive:
             fcfg = FeatureConfig.from_nemo(archive.config["preprocessor"])
             EncoderConfig.from_nemo(archive.config["encoder"])  # an encoder we cannot build fails here, not mid-export
