@@ -193,6 +193,17 @@ def merge(
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
 
 
+def _refuse_whisper(model: str) -> None:
+    """stream and serve run FastConformer transducers: a Whisper model is a usage error, said
+    from its name before torch is imported."""
+    from engines.loader import OptionError, streaming_model_name
+
+    try:
+        streaming_model_name(model)
+    except OptionError as e:
+        raise fail(str(e), EXIT_USAGE)
+
+
 @sub_app.command(help="Stream one audio file through a streaming model, printing the transcript as it grows (segments, partials, final).")
 def stream(
     path: Path = typer.Argument(..., metavar="FILE", help="Audio file."),
@@ -205,12 +216,8 @@ def stream(
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
     check_streaming(chunk_ms, left_ms, right_ms)  # before torch's seconds of import
-    from engines.loader import OptionError, streaming_model_name
-
-    try:
-        streaming_model_name(model)
-    except OptionError as e:  # a Whisper model
-        raise fail(str(e), EXIT_USAGE)
+    _refuse_whisper(model)
+    from engines.loader import OptionError
     from transcribe.audio import AudioError
     from transcribe.streaming.cli_commands import log_to_stderr, stream_file
 
@@ -255,12 +262,8 @@ def serve(
     check_choice("--encoder-backend", encoder_backend, STREAM_BACKENDS, "serve takes")
     check_runtime(device, dtype)
     check_streaming(chunk_ms, left_ms, right_ms)
-    from engines.loader import OptionError, streaming_model_name
-
-    try:
-        streaming_model_name(model)
-    except OptionError as e:  # a Whisper model
-        raise fail(str(e), EXIT_USAGE)
+    _refuse_whisper(model)
+    from engines.loader import OptionError
     from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
 
