@@ -1,6 +1,7 @@
 """The names and defaults the engine options take (--encoder-backend, --decoder-mode, --dtype,
-export-engine's --precision and batch profile), in a module that imports no torch: the command line checks an option as typed before anything heavier is
-imported, so a typo is answered at once rather than after torch's seconds of import.
+export-engine's --precision and batch profile), in a module that imports no torch: the command
+line checks an option as typed before anything heavier is imported, so a typo is answered at
+once rather than after torch's seconds of import.
 """
 from __future__ import annotations
 

@@ -94,14 +94,12 @@ def checked_model(model: str | None, encoder_backend: str = "auto", features_on:
     return name
 
 
-def streaming_model_name(model: str) -> str:
-    """`model`'s name for `stream` / `serve`, which run FastConformer transducers only:
-    OptionError for a Whisper model. Imports no torch: the command says it at once."""
-    name = choose_model(model)
-    if is_whisper(name):
+def check_streamable(model: str) -> None:
+    """OptionError for a Whisper model: `stream` and `serve` run FastConformer transducers only.
+    Imports no torch: the command says it at once."""
+    if is_whisper(choose_model(model)):
         raise OptionError(f"{model} is a Whisper model: streaming takes FastConformer transducers "
                           "(TDT / RNN-T .nemo) only")
-    return name
 
 
 def settings_before_load(name: str, language: str | None = None, task: str = "transcribe",

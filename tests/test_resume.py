@@ -110,6 +110,9 @@ def test_all_done_is_plan_resumes_test_reading_only_and_false_while_a_run_writes
     assert not all_done(files, out, ["txt"], "n", {"language": "en"})  # another model
     assert not all_done(files, out, ["txt"], "m", {"language": "de"})  # other settings
     assert not all_done(files, out, ["txt", "srt"], "m", {"language": "en"})  # an output not written
+    (tmp_path / "new.flac").write_bytes(b"x")  # a file with no line yet
+    assert not all_done([*files, InputFile(tmp_path / "new.flac", Path("new.flac"))], out, ["txt"], "m",
+                        {"language": "en"})
     with out_dir_lock(out):  # a run writing there now
         assert not all_done(files, out, ["txt"], "m", {"language": "en"})
     assert all_done(files, out, ["txt"], "m", {"language": "en"})  # and the kernel let go of it

@@ -196,10 +196,10 @@ def merge(
 def _refuse_whisper(model: str) -> None:
     """stream and serve run FastConformer transducers: a Whisper model is a usage error, said
     from its name before torch is imported."""
-    from engines.loader import OptionError, streaming_model_name
+    from engines.loader import OptionError, check_streamable
 
     try:
-        streaming_model_name(model)
+        check_streamable(model)
     except OptionError as e:
         raise fail(str(e), EXIT_USAGE)
 

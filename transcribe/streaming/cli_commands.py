@@ -35,10 +35,10 @@ def load_streaming_model(model: str, chunk_ms: float | None = None, left_ms: flo
     context (None = NeMo's 2 s chunk, 10 s left, 2 s right), their encoder through
     `encoder_backend` (see StreamingModel). OptionError (a usage error) for a Whisper model,
     before it loads; ValueError for anything else."""
-    from engines.loader import load_engine, streaming_model_name
+    from engines.loader import load_engine, check_streamable
     from engines.parakeet import ParakeetEngine
 
-    streaming_model_name(model)
+    check_streamable(model)
     # The offline engine's own backend and decoder graphs are bucketed for whole pieces, which
     # streaming never runs: eager here, and the streaming pool builds what its steps need.
     engine = load_engine(model, device=device, encoder_backend="torch", decoder_mode="eager", dtype=dtype)
