@@ -30,11 +30,14 @@ CASES = [
 ]
 
 
-def _attn(h: int, d: int, bias: bool, device, dtype) -> RelPositionMultiHeadAttention:
+def _attn(h: int, d: int, bias: bool, device, dtype, gen: torch.Generator) -> RelPositionMultiHeadAttention:
+    """Weights drawn from `gen`: torch's own generator starts from another seed in each process,
+    and the kernel's error over the case h=2 d=64 ranged 6e-6 to 2.1e-5 (over the 2e-5 bound)
+    from one interpreter to the next."""
     attn = RelPositionMultiHeadAttention(h, d, bias)
     with torch.no_grad():
         for p in attn.parameters():
-            p.normal_(0.0, 0.25)
+            p.normal_(0.0, 0.25, generator=gen)
     return attn.to(device=device, dtype=dtype).eval()
 
 
@@ -50,7 +53,7 @@ def check_kernel_equals_torch(device: str, dtype=torch.float32, atol=2e-5) -> No
     gen = torch.Generator().manual_seed(0)
     for h, d, bias, ac, lc, t, lengths, att_lens, slots, n_slots in CASES:
         c = ac * lc
-        attn = _attn(h, d, bias, device, dtype)
+        attn = _attn(h, d, bias, device, dtype, gen)
         idx = torch.tensor(slots, device=device)
         length = torch.tensor(lengths, device=device)
         att_len = torch.tensor(att_lens, device=device)
@@ -107,7 +110,7 @@ def test_torch_fallback_without_cuda_equals_attention_step():
     """use_triton=None on CPU tensors (no interpreter): the torch path, same as `_attention_step`."""
     h, d, bias, ac, lc, t, lengths, att_lens, slots, n_slots = CASES[0]
     c = ac * lc
-    attn = _attn(h, d, bias, "cpu", torch.float32)
+    attn = _attn(h, d, bias, "cpu", torch.float32, torch.Generator().manual_seed(0))
     idx, length, att_len = torch.tensor(slots), torch.tensor(lengths), torch.tensor(att_lens)
     cache, x = torch.randn(n_slots, c, d), torch.randn(idx.numel(), t, d)
     pos = sinusoids(torch.arange(c + t - 1, -t, -1, dtype=torch.float32), d)
