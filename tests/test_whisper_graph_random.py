@@ -138,13 +138,22 @@ def test_margin_comparison_fails_where_eager_was_sure():
         assert_follows(_decoded([[5, 9, 9], [1, 2, 3]], [True, True]), want, 0.0)
 
 
-def test_static_path_follows_eager_on_random_model_in_bf16():
+def test_static_path_follows_eager_on_random_model_in_bf16(monkeypatch):
     """The margin-aware comparison on real decodes (the CPU's bf16; the GPU tests run it in
-    fp16 and bf16), unrolled: full-graph chunks differ only in where they stop."""
+    fp16 and bf16), unrolled: full-graph chunks differ only in where they stop.
+
+    The first-batch check (`agrees_with_eager`) compares whole rows exactly, and this random
+    model's rows meet near ties early (203 of eager's 1413 steps come before their window's
+    first one, seen on an AVX512_BF16 EPYC): oneDNN's bf16 GEMMs round otherwise for the static
+    path's batch shapes than for eager's, so 3 of 8 rows differ past a tie, and the check fell
+    back before this test compared anything (it failed on every bf16 CPU since the check came
+    in; CI's CPUs had no bf16 and skipped it). Here any number of rows may differ; the margins
+    judge them."""
     from engines.fast_linear import onednn_linear_available
 
     if not onednn_linear_available(torch.bfloat16):
         pytest.skip("no bf16 in this CPU's hardware (AVX512_BF16 / AMX / Arm BF16)")
+    monkeypatch.setattr(decode_modes, "MAX_DIFFERING_ROWS", 1.0)
     compared = total = 0
     for name, opts in CONFIGS.items():
         with torch.inference_mode():
