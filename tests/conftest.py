@@ -40,17 +40,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _seed_torch() -> None:
+    import torch
+
+    torch.manual_seed(0)
+
+
+def pytest_sessionstart(session):
+    """The first test's session- and module-scoped fixtures are set up before its own seed
+    (below): they draw from this one."""
+    _seed_torch()
+
+
 @pytest.fixture(autouse=True)
 def _seeded_torch():
     """Every test starts from one seed of torch's default generator. torch 2.13 seeds it
     differently in every process, so a test that draws inputs or initial weights from it
     (torch.randn, nn.Linear's init) saw other numbers on every run, and a tolerance near its
     edge failed one run in several (the Triton attention check did, in a fresh-clone CI).
-    Session fixtures built in a test's setup draw after the previous test's seeded draws, so
-    a whole run repeats too."""
-    import torch
-
-    torch.manual_seed(0)
+    A wider-scoped fixture built in a later test's setup draws after the previous test's
+    seeded draws, so a whole run repeats too."""
+    _seed_torch()
 
 
 # Checked without importing triton: the interpreter tests run it in a subprocess (the
