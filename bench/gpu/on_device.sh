@@ -20,6 +20,7 @@
 #                                               # and NeMo bf16 in the same call
 #   bash bench/gpu/on_device.sh stream          # streaming load on the 618M shape (p95 < 300 ms)
 #   bash bench/gpu/on_device.sh stream-bf16     # the same in bf16, NeMo's chunking and a shorter one
+#   bash bench/gpu/on_device.sh stream-long     # bf16, 60 s streams: the steady state
 #   bash bench/gpu/on_device.sh features        # 618M model: log-mel in the workers vs on the GPU,
 #                                               # micro (batched vs per piece) and end to end
 #   bash bench/gpu/on_device.sh bench-whisper   # Whisper base: decoder-only time per decoder mode
@@ -52,7 +53,7 @@ STAGES=()
 MIN_HOURS=1
 BUDGET=
 usage() {
-  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-best|bench-whisper|stream|stream-bf16|features|bench|whisper-part"
+  echo "usage: on_device.sh STAGE... [--min-hours H] [--budget SECONDS]; STAGE: probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-best|bench-whisper|stream|stream-bf16|stream-long|features|bench|whisper-part"
   exit 2
 }
 while [ $# -gt 0 ]; do
@@ -61,7 +62,7 @@ while [ $# -gt 0 ]; do
     --min-hours=*) MIN_HOURS=${1#*=}; shift ;;
     --budget) [ $# -ge 2 ] || usage; BUDGET=$2; shift 2 ;;
     --budget=*) BUDGET=${1#*=}; shift ;;
-    probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-best|bench-whisper|bench|stream|stream-bf16|features|whisper-part) STAGES+=("$1"); shift ;;
+    probe|tests|tests-whisper|tests-compile|bench-encoder|bench-backends|bench-modes|bench-nemo|bench-best|bench-whisper|bench|stream|stream-bf16|stream-long|features|whisper-part) STAGES+=("$1"); shift ;;
     *) usage ;;
   esac
 done
@@ -181,7 +182,7 @@ stage() {
         tests/test_stream_attention_triton.py tests/test_stream_pool_triton.py \
         tests/test_features_device.py::test_cuda_device_features_equal_cpu_worker_features_and_tokens \
         tests/test_encoder_precision.py tests/test_whisper_graph.py tests/test_whisper_graph_random.py \
-        tests/test_whisper_fallback.py \
+        tests/test_whisper_fallback.py tests/test_chunked_streaming.py \
         2>&1 | tee "$OUT/gpu_tests.log"
       ;;
     tests-whisper)  # under xdist as `tests`: a capture that segfaults costs one test, not the rest
@@ -236,10 +237,13 @@ stage() {
       stream_loads stream auto "64 128 256"
       ;;
     stream-bf16)  # bf16 encoder; NeMo's chunking, then 1 s, 4 s left, 1 s right; window encoder
-      # CUDA graphs (the default on CUDA), then eager at 128 streams for the same-call ratio,
-      # then 60 s streams (each file repeated): the steady state rather than the first steps
+      # CUDA graphs (the default on CUDA), then eager at 128 streams for the same-call ratio.
+      # Seven server starts, each capturing its window-encoder graphs on the 618M model: the
+      # 60 s streams have a stage of their own so that this one fits one call.
       stream_loads stream_bf16 bfloat16 "32 64 128" "2000 10000 2000" "1000 4000 1000"
       LOAD_ARGS="--encoder-backend torch" stream_loads stream_bf16_eager bfloat16 "128" "2000 10000 2000"
+      ;;
+    stream-long)  # 60 s streams (each file repeated): the steady state rather than the first steps
       LOAD_ARGS="--min-stream-s 60" stream_loads stream_bf16_long bfloat16 "128 256" "2000 10000 2000"
       ;;
     features)
