@@ -235,10 +235,13 @@ class ConformerEncoder(nn.Module):
         """The subsampling's GEMMs packed; the layers' too where that is faster here: always in
         bf16 (oneDNN's packed GEMM is its fast path), in fp32 where `packing_pays` times packed
         GEMMs of a feed-forward pair over an offline batch's rows faster than F.linear (not on
-        an AVX2-only Zen 3 EPYC: the 618M encoder stage ran 1.1x faster unpacked there)."""
+        an AVX2-only Zen 3 EPYC: the 618M encoder stage ran 1.1x faster unpacked there).
+        Off the CPU there is nothing to pack, so nothing is timed (the probe costs ~0.65 s)."""
+        on_cpu = self.pos_enc.pe.device.type == "cpu"
         for layer in self.layers:
-            attn = layer.self_attn
-            attn.onednn = onednn_linear_available(self.dtype) and attn.pos_bias_u.device.type == "cpu"
+            layer.self_attn.onednn = on_cpu and onednn_linear_available(self.dtype)
+        if not on_cpu:
+            return
         ff = self.layers[0].feed_forward1.linear1 if len(self.layers) else None
         if ff is not None and (self.dtype != torch.float32 or packing_pays(ff.in_features, ff.out_features, "swish")):
             self.pack_layers()

@@ -124,3 +124,20 @@ def test_streaming_packs_the_layers_whatever_the_probe_said(monkeypatch):
     sm = StreamingModel.from_nemo(NEMO_REF / "rnnt_streaming_tiny" / "model.nemo")
     assert {type(m) for m in layer_linears(sm.engine.encoder)} == {PackedLinear}
     assert all(layer.feed_forward1.silu_fused for layer in sm.engine.encoder.layers)
+
+
+@needs_shared
+def test_an_encoder_off_the_cpu_is_neither_timed_nor_packed(monkeypatch):
+    """oneDNN packs CPU weights only: a CUDA model asked to pack (pack_linears=True) must not pay
+    the CPU probe's ~0.65 s at load. The meta device stands in for CUDA on this machine."""
+    def no_probe(*shape):
+        raise AssertionError("nothing to pack off the CPU: nothing to time")
+    monkeypatch.setattr(conformer, "packing_pays", no_probe)
+    with NemoArchive(Reference("tdt_tiny").nemo) as archive:
+        cfg = EncoderConfig.from_nemo(archive.config["encoder"])
+        enc = ConformerEncoder.from_state(cfg, sub_state_dict(archive.state_dict(), "encoder"), pack_linears=False)
+    enc.to("meta")
+    enc.fuse_for_inference(pack_linears=True)
+    assert {type(m) for m in layer_linears(enc)} == {nn.Linear, nn.Conv1d}
+    assert not any(layer.self_attn.onednn for layer in enc.layers)
+    assert not isinstance(enc.pre_encode.out, PackedLinear)
