@@ -314,6 +314,22 @@ def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
     assert blocker.read_text() == "keep me"
 
 
+@needs_shared
+def test_an_out_whose_lock_or_log_cannot_be_opened_fails_before_the_model_loads(tmp_path):
+    """A folder where the lock file should be, or a results.jsonl that is a symlink to nothing,
+    was a traceback (the log's: once the model had loaded); each exits 1 naming the file, before
+    any model loads (the model path does not exist). Unwritable ones: tests/test_resume.py."""
+    audio = str(Reference("tdt_tiny").audio_path(0))
+    lock_out, log_out = tmp_path / "lock", tmp_path / "log"
+    (lock_out / ".transcribe.lock").mkdir(parents=True)
+    log_out.mkdir()
+    (log_out / "results.jsonl").symlink_to(tmp_path / "gone" / "results.jsonl")
+    for out, says in ((lock_out, f"its lock file {lock_out / '.transcribe.lock'} cannot be opened (Is a directory)"),
+                      (log_out, f"{log_out / 'results.jsonl'} is a symlink to nothing")):
+        p = run_cli(audio, "--out", str(out), "--model", str(tmp_path / "no.nemo"))
+        assert p.returncode == 1 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 _TORCH_AFTER = """
 import sys
 from transcribe.cli import main

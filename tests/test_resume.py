@@ -149,3 +149,52 @@ def test_settings_known_before_the_load_are_the_loaded_engines(tmp_path):
     (tmp_path / "w.pt").write_bytes(b"x")
     assert settings_before_load(str(tmp_path / "w.pt")) is None  # multilingual or not: its vocabulary says
     assert settings_before_load(str(tmp_path / "gone.nemo")) is None  # its load says what is wrong
+
+
+def _refusing_writes_to(monkeypatch, *refused: Path) -> None:
+    """os.open that refuses to open `refused` for writing, as for a file another user owns with
+    mode 0644 (tests may run as root, whom a chmod does not stop); reading still opens it."""
+    import os
+
+    real = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if str(path) in {str(p) for p in refused} and flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_a_lock_file_this_user_cannot_write_still_locks_the_folder(tmp_path, monkeypatch):
+    """Another user's lock file in a shared folder (0644 by their umask) was a traceback: flock
+    needs only a read descriptor, so the run locks through one, and a second run is still
+    refused while the first holds it."""
+    from transcribe.resume import LOCK_NAME, OutputBusy
+
+    (tmp_path / LOCK_NAME).write_text("")
+    _refusing_writes_to(monkeypatch, tmp_path / LOCK_NAME)
+    with out_dir_lock(tmp_path):
+        with pytest.raises(OutputBusy):
+            with out_dir_lock(tmp_path):
+                pass
+    with out_dir_lock(tmp_path):  # released with the first
+        pass
+
+
+def test_an_out_whose_log_cannot_be_appended_to_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """A results.jsonl this user cannot write (another user's, in a shared --out) was a
+    traceback from the log's tail repair after the model had loaded: exit 1 naming it, first."""
+    import typer
+
+    from transcribe.cli_options import out_folder
+
+    log = tmp_path / "results.jsonl"
+    log.write_text(json.dumps({"audio_filepath": "/a.wav", "status": "ok"}) + "\n")
+    out_folder(tmp_path)  # writable: passes
+    _refusing_writes_to(monkeypatch, log)
+    with pytest.raises(typer.Exit) as exit_:
+        out_folder(tmp_path)
+    assert exit_.value.exit_code == 1
+    assert f"{log} cannot be written (Permission denied)" in capsys.readouterr().err
+    assert json.loads(log.read_text())["audio_filepath"] == "/a.wav"

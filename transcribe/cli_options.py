@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -68,19 +69,31 @@ def writable_folder(folder: Path, option: str) -> None:
 
 
 def out_folder(folder: Path) -> None:
-    """An --out, checked before the model loads: writable (`_writable_folder`), its
-    results.jsonl a file if there is one, and no other run writing there."""
-    from transcribe.resume import OutputBusy, out_dir_lock
+    """An --out, checked before the model loads: writable (`writable_folder`), its
+    results.jsonl a file this user can read and append to if there is one (another user's,
+    in a shared folder, was a traceback once the model had loaded), its lock file one that
+    opens, and no other run writing there."""
+    from transcribe.resume import LOCK_NAME, OutputBusy, out_dir_lock
 
     writable_folder(folder, "--out")
     log = folder / "results.jsonl"  # every --out holds one, appended to as files finish
     if log.exists() and not log.is_file():
         raise fail(f"--out {folder}: {log} is not a file", EXIT_NOTHING_RAN)
+    if log.is_symlink() and not log.exists():
+        raise fail(f"--out {folder}: {log} is a symlink to nothing", EXIT_NOTHING_RAN)
+    if log.exists():
+        try:  # what the run does to it: read its tail (a repair) and append
+            os.close(os.open(log, os.O_RDWR | os.O_APPEND))
+        except OSError as e:
+            raise fail(f"--out {folder}: {log} cannot be written ({e.strerror or e})", EXIT_NOTHING_RAN)
     try:  # another run writing there (an overlapping cron job) is found before a model loads for nothing
         with out_dir_lock(folder):
             pass
     except OutputBusy as e:
         raise fail(f"{e}; wait for it to finish, or write to another --out", EXIT_NOTHING_RAN)
+    except OSError as e:
+        raise fail(f"--out {folder}: its lock file {folder / LOCK_NAME} cannot be opened ({e.strerror or e})",
+                   EXIT_NOTHING_RAN)
 
 
 def refuse_empty(args: List[Optional[str]], what: str, names: str = "folder") -> None:

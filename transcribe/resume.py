@@ -35,9 +35,17 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
     run into the same folder (overlapping cron jobs) would redo the same files, sweep the first
     one's temporary files from under it, and lose its log lines when it rewrites results.jsonl;
     it gets OutputBusy instead. The kernel drops the lock when the holder dies, so a killed
-    run never leaves the folder locked; the file itself stays (removing it would race)."""
+    run never leaves the folder locked; the file itself stays (removing it would race).
+    A lock file this user cannot write (another user's, in a group-writable folder, left 0644
+    by their umask) is locked through a read-only descriptor: flock needs no more (the pid in
+    it then stays the last writer's, so a busy message may name that one). One that
+    cannot be opened at all (a folder in its place) raises OSError."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    path = out_dir / LOCK_NAME
+    try:
+        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+    except PermissionError:
+        fd, writable = os.open(path, os.O_RDONLY), False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -48,8 +56,9 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
         except OSError as e:  # Lustre mounted without flock, some NFS setups: run unguarded
             print(f"note: {out_dir}: cannot lock it ({e.strerror}); make sure no other run writes there",
                   file=sys.stderr)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above, nothing else
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above, nothing else
         yield
     finally:
         os.close(fd)
