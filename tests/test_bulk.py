@@ -672,6 +672,43 @@ def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code, force):
     _assert_clean(out, pids)
 
 
+_SECOND_SIGINT = """
+import os, signal, sys, time
+import typer
+from transcribe.cli_job import interruptible
+from transcribe.signals import Interrupted, remember_sigint
+
+def job():
+    if sys.argv[1] == "interrupted":
+        raise Interrupted(signal.SIGINT)
+    raise KeyboardInterrupt  # a ^C after the job put Python's handler back, on its way out
+
+remember_sigint()
+try:
+    interruptible(job)
+except typer.Exit as e:
+    print("exit", e.exit_code, flush=True)
+os.kill(os.getpid(), signal.SIGINT)  # the impatient second press, while the process exits
+time.sleep(5)
+print("not stopped by the second ^C")
+"""
+
+
+@pytest.mark.parametrize("how", ["interrupted", "keyboard"])
+def test_a_second_sigint_while_the_command_exits_ends_it_with_130_and_no_traceback(how):
+    """A ^C pressed again while an interrupted command was exiting raised KeyboardInterrupt into
+    an atexit callback ("Exception ignored", a traceback) and killed the process by the signal
+    (status -2, not 130); a ^C landing just after the job had left said "Aborted!" and exited
+    1. Both exit 130 and quietly, the command's message said once. (A press after Python's
+    finalization has put the default handler back still ends the process by the signal, which
+    a shell reports as 130 all the same.)"""
+    p = subprocess.run([sys.executable, "-c", _SECOND_SIGINT, how], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 130, (p.returncode, p.stdout, p.stderr)
+    assert p.stdout == "exit 130\n" and "Traceback" not in p.stderr and "Exception ignored" not in p.stderr
+    assert p.stderr.count("interrupted by SIGINT: finished files are written") == 1, p.stderr
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed ^C itself
 def test_a_sigint_whose_exception_was_swallowed_still_stops_the_job(tmp_path):
     """A ^C whose KeyboardInterrupt lands in a __del__ is only printed by Python ("Exception

@@ -6,6 +6,7 @@ status and a line saying what a rerun does (`interruptible`).
 from __future__ import annotations
 
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -126,14 +127,17 @@ def interruptible(job, then: str = "run the same command again to resume"):
     from transcribe.output_writer import OutputStopped
     from transcribe.resume import OutputBusy
     from transcribe.shm import SharedMemoryTooSmall
-    from transcribe.signals import Interrupted
+    from transcribe.signals import Interrupted, exit_at_once_on_sigint
     from transcribe.workers import WorkerStartError
 
     try:
         return job()
-    except Interrupted as e:
-        typer.echo(f"interrupted by {e}: finished files are written; {then}", err=True)
-        raise typer.Exit(128 + e.signum)
+    except (Interrupted, KeyboardInterrupt) as e:
+        # KeyboardInterrupt: a ^C after the job restored Python's handler, on its way out
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        exit_at_once_on_sigint()
+        typer.echo(f"interrupted by {signal.Signals(signum).name}: finished files are written; {then}", err=True)
+        raise typer.Exit(128 + signum)
     except (WorkerStartError, SharedMemoryTooSmall) as e:
         raise fail(str(e), EXIT_NOTHING_RAN)
     except OutputBusy as e:

@@ -5,7 +5,9 @@ afresh. Imports no torch: the command line checks its options before torch's sec
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -50,6 +52,25 @@ def stop_if_signalled() -> None:
     """Raise Interrupted if a SIGINT / SIGTERM came (since `remember_sigint`), said or not."""
     if _received:
         raise Interrupted(_received[-1])
+
+
+def exit_at_once_on_sigint() -> None:
+    """The command is ending on a signal with its work written: a further ^C (an impatient
+    second press) exits at once with 130. Python's handler, back once the job was left, raised
+    KeyboardInterrupt into whatever ran then: an atexit callback printed "Exception ignored"
+    and a traceback, and the process died by the signal. For the command line's own process
+    only, which is leaving."""
+    if threading.current_thread() is threading.main_thread() and not _ignored(signal.SIGINT):
+        signal.signal(signal.SIGINT, _exit_now)
+
+
+def _exit_now(signum, frame) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say
+            pass
+    os._exit(128 + signum)
 
 
 def forget_signals() -> None:
