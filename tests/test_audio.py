@@ -72,6 +72,15 @@ def test_missing_file(tmp_path: Path) -> None:
         audio_info(tmp_path / "nope.wav")
 
 
+def test_a_broken_symlink_or_a_loop_says_so(tmp_path: Path) -> None:
+    """A loop (x -> y -> x) was "no such file", as Path.exists() says of it: the system's reason."""
+    (tmp_path / "gone.wav").symlink_to(tmp_path / "nowhere.wav")
+    _assert_audio_error(tmp_path / "gone.wav", "no such file (a symlink to nothing)")
+    (tmp_path / "x.wav").symlink_to(tmp_path / "y.wav")
+    (tmp_path / "y.wav").symlink_to(tmp_path / "x.wav")
+    _assert_audio_error(tmp_path / "x.wav", "cannot look at it (Too many levels of symbolic links)")
+
+
 def test_directory_is_not_audio(tmp_path: Path) -> None:
     _assert_audio_error(tmp_path, "not a regular file")
 

@@ -29,8 +29,12 @@ class AudioError(ValueError):
 
 def _check_path(path: str | os.PathLike) -> Path:
     p = Path(path)
-    if not p.exists():
-        raise AudioError(p, "no such file")
+    try:
+        os.stat(p)
+    except FileNotFoundError:
+        raise AudioError(p, "no such file" + (" (a symlink to nothing)" if p.is_symlink() else "")) from None
+    except OSError as e:  # a symlink loop, a name too long: the system's reason, not "no such file"
+        raise AudioError(p, f"cannot look at it ({e.strerror or e})") from None
     if not p.is_file():
         raise AudioError(p, "not a regular file")
     if not os.access(p, os.R_OK):
