@@ -91,3 +91,32 @@ def test_ws_abrupt_close_and_silence_free_their_slots(model, files):
     silent, good = _run(model, ServerConfig(port=0, ws_port=0, max_streams=2, idle_timeout_s=0.5), scenario)
     assert silent[-1]["code"] == "timeout"
     assert good.final["text"] == files[2]["offline_text"]
+
+
+def test_a_client_the_server_stops_reading_cannot_park_its_uploads_in_websockets_queue(model):
+    """The server stops reading a stream whose backlog is over --max-backlog (a queued one's at
+    once), but websockets read ahead on its own: up to 16 frames of up to 4 MB a connection
+    (64 MB; 5 GB over the default 16 streams and 64 waiting), 19 frames taken from a queued
+    client before its sends blocked. Its queue is now 2 frames: a few more sit in the kernel's buffers."""
+    frame = bytes(P.MAX_LINE_BYTES - 64)  # the largest binary frame the server takes: ~131 s PCM16
+
+    async def scenario(server, url, tcp):
+        reader, holder = await asyncio.open_connection(*tcp)  # holds the one slot
+        holder.write(P.encode({"type": "hello", "stream_id": "holder", "sample_rate": 16000}))
+        await holder.drain()
+        ws = await connect(url, max_size=None)
+        await ws.send(_hello("queued"))
+        assert json.loads(await ws.recv())["type"] == "waiting"
+        taken = 0
+        try:
+            while taken < 40:
+                await asyncio.wait_for(ws.send(frame), 2.0)
+                taken += 1
+        except asyncio.TimeoutError:
+            pass
+        ws.transport.abort()
+        holder.transport.abort()
+        return taken
+
+    taken = _run(model, ServerConfig(port=0, ws_port=0, max_streams=1, idle_timeout_s=30.0), scenario)
+    assert 1 <= taken <= 10, taken  # 6 on the dev VM; 20 with websockets' default queue

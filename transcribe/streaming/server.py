@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # websockets is imported only when a WebSocket port is served
 
 log = logging.getLogger(__name__)
 READ_BYTES = 1 << 16  # one TCP read: a few 100 ms audio messages
+WS_QUEUE_FRAMES = 2  # WebSocket frames read ahead of the handler, each up to protocol.MAX_LINE_BYTES
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,13 @@ class StreamServer:
     async def _start_ws(self) -> None:
         from websockets.asyncio.server import serve as ws_serve
 
-        # compression off: PCM barely deflates and zlib would cost the loop CPU on every frame
+        # compression off: PCM barely deflates and zlib would cost the loop CPU on every frame.
+        # max_queue: websockets reads ahead of recv() up to its queue's high-water mark (16
+        # frames of up to 4 MB by default): a stream the server stopped reading (over
+        # --max-backlog, or queued for a slot) would park 64 MB a connection there; 2 frames
+        # keep a client's pipeline full without that.
         self._ws_server = await ws_serve(self._handle_ws, self.cfg.host, self.cfg.ws_port,
-                                         max_size=P.MAX_LINE_BYTES, compression=None)
+                                         max_size=P.MAX_LINE_BYTES, max_queue=WS_QUEUE_FRAMES, compression=None)
         self.ws_address = self._ws_server.sockets[0].getsockname()[:2]
 
     async def stop(self) -> None:
