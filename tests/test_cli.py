@@ -272,6 +272,22 @@ def test_an_empty_input_is_a_usage_error_not_the_working_folder(tmp_path):
     assert sorted(q.name for q in tmp_path.iterdir()) == ["home.wav"]
 
 
+def test_an_empty_model_or_stream_file_is_a_usage_error_not_the_default(tmp_path):
+    """`--model "$MODEL"` with MODEL unset fell through to the default model: transcribe ran
+    whisper-base and exited 0, export-engine went for parakeet-tdt-0.6b-v2, stream and serve
+    said " is a Whisper model". `stream ""` read the working folder ("."). Each exits 2 before
+    anything is read, loaded or written."""
+    sf.write(tmp_path / "a.wav", np.zeros(16000, dtype=np.float32), 16000)
+    for args in (["a.wav", "--model", "", "--out", "out"], ["bench", "a.wav", "-m", ""],
+                 ["stream", "a.wav", "--model", ""], ["serve", "--model", "", "--port", "0"],
+                 ["export-engine", "--model", "", "--onnx-only"]):
+        p = run_cli(*args, cwd=tmp_path)
+        assert p.returncode == 2 and "--model is empty" in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    p = run_cli("stream", "", "--model", "none.nemo", cwd=tmp_path)
+    assert p.returncode == 2 and "FILE is empty" in p.stderr, p.stderr
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["a.wav"]
+
+
 def test_an_empty_out_is_a_usage_error_not_the_working_folder(tmp_path):
     """`--out "$OUT"` with OUT unset was Path("") too: the transcripts, results.jsonl and the
     lock went into the working folder, over a same-named .txt there (`notes.wav` -> the user's

@@ -194,9 +194,11 @@ def merge(
 
 
 def _refuse_whisper(model: str) -> None:
-    """stream and serve run FastConformer transducers: a Whisper model is a usage error, said
-    from its name before torch is imported."""
+    """stream and serve run FastConformer transducers: a Whisper model (or an empty --model) is
+    a usage error, said from its name before torch is imported."""
     from engines.loader import OptionError, check_streamable
+
+    refuse_empty([model], "--model", "model")
 
     try:
         check_streamable(model)
@@ -206,7 +208,7 @@ def _refuse_whisper(model: str) -> None:
 
 @sub_app.command(help="Stream one audio file through a streaming model, printing the transcript as it grows (segments, partials, final).")
 def stream(
-    path: Path = typer.Argument(..., metavar="FILE", help="Audio file."),
+    file_arg: str = typer.Argument(..., metavar="FILE", help="Audio file."),
     model: str = typer.Option(..., "--model", "-m", help="A TDT / RNN-T .nemo (or registry name): cache-aware ones stream with their own chunks, offline-trained ones in chunks with context."),
     realtime: bool = typer.Option(False, "--realtime", help="Feed audio at real-time pace (else as fast as possible)."),
     piece_ms: int = typer.Option(100, "--piece-ms", min=10, help="Audio per feed (ms)."),
@@ -215,6 +217,8 @@ def stream(
     left_ms: Optional[float] = typer.Option(None, "--left-context-ms", help="Offline-trained models: past audio each step re-encodes (default 10000)."),
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
+    refuse_empty([file_arg], "FILE", "file")  # Path("") would be ".": the working folder
+    path = Path(file_arg)
     check_streaming(chunk_ms, left_ms, right_ms)  # before torch's seconds of import
     _refuse_whisper(model)
     from engines.loader import OptionError
@@ -295,6 +299,7 @@ def export_engine_cmd(
 ) -> None:
     from transcribe.export_engine import ExportError, ExportRequest, export_engine
 
+    refuse_empty([model], "--model", "model")  # else the default Parakeet, built and cached unasked
     file_path(onnx, "--onnx")
     cache_dir = folder_option(cache_arg, "--cache-dir")
     try:

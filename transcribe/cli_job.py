@@ -46,6 +46,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     from transcribe.workers import Prespawned, default_workers
 
     remember_sigint()
+    refuse_empty([model], "--model", "model")  # "$MODEL" unset: not the default model, silently
     check_choice("--encoder-backend", encoder_backend, ENCODER_BACKENDS)
     check_choice("--decoder-mode", decoder_mode, (m.value for m in DecodeMode))
     check_choice("--features-on", features_on, FEATURES_ON)
