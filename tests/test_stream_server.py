@@ -170,6 +170,35 @@ def test_idle_means_no_bytes_not_no_whole_message_and_lines_are_bounded(model, f
     assert endless[-1]["code"] == "bad_message" and "message too long" in endless[-1]["message"]
 
 
+def test_a_client_that_half_closes_without_end_is_told_why_it_gets_no_final(model, files):
+    """EOF before "end" (shutdown(SHUT_WR), `nc -N`) drops the stream, as a disconnect does (a
+    crashed client's kernel sends the same FIN: its backlog is not decoded for nobody), but a
+    client still reading got a silent close; it now gets the reason. EOF before any hello (a
+    port probe) stays quiet."""
+    audio = files[2]["samples"]
+
+    async def scenario(server, host, port):
+        got = []
+        for lines in ([_hello("half"), P.encode(P.audio_message(audio[:64000]))], []):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"".join(lines))
+            await writer.drain()
+            writer.write_eof()
+            msgs = []
+            while line := await asyncio.wait_for(reader.readline(), 10.0):
+                msgs.append(json.loads(line))
+            writer.close()
+            got.append(msgs)
+        good = await stream_audio(host, port, "good", audio, realtime=False)
+        return got, good
+
+    (half, probe), good = _run(model, ServerConfig(port=0, max_streams=1), scenario)
+    assert half[0]["type"] == "ready" and half[-1]["type"] == "error", half
+    assert half[-1]["code"] == "bad_message" and 'before "end"' in half[-1]["message"]
+    assert not any(m["type"] == "final" for m in half) and probe == []
+    assert good.final["text"] == files[2]["offline_text"]
+
+
 def test_twice_max_streams_wait_their_turn_or_are_refused(model, files):
     async def scenario(server, host, port):
         runs = [stream_audio(host, port, f"s{i}", files[i]["samples"], piece_s=0.2, realtime=False)

@@ -8,6 +8,8 @@ Client -> server
     <binary frame>                         WebSocket only: the same PCM, raw (no base64);
                                            may be mixed with "audio" messages
     {"type": "end"}                        no more audio: the server sends the final result
+                                           (closing the sending side instead, TCP's EOF, drops
+                                           the stream: a "bad_message" error, no final)
     {"type": "stats"}                      instead of hello: a monitor's request; the server
                                            answers with one "stats" message and closes
 Server -> client (over WebSocket: text frames)

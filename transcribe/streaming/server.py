@@ -79,6 +79,11 @@ class _Transport(Protocol):
     async def close(self, going_away: bool) -> None: ...  # going_away: the server is stopping
 
 
+class _ClientEof(ConnectionResetError):
+    """The TCP client closed its side (EOF). It may still be reading (a half-close: shutdown
+    SHUT_WR, `nc -N`), so a stream it left without "end" is told why it gets no final."""
+
+
 class _TcpTransport:
     """Lines are cut from our own buffer, not by `StreamReader.readline`, so that every read
     stamps `received_at`: a client uploading one big message over a slow link is not idle
@@ -96,7 +101,7 @@ class _TcpTransport:
             data = await self.reader.read(READ_BYTES)  # cancelled (idle timeout): nothing lost, all is in buffers
             if not data:  # the client closed its side: a last line without a newline still counts
                 if not self.buf:
-                    raise ConnectionResetError("client closed the connection")
+                    raise _ClientEof("client closed the connection")
                 end = len(self.buf) - 1
                 break
             self.received_at = time.monotonic()
@@ -263,6 +268,11 @@ class StreamServer:
             self._send(client, P.error_message(e.code, str(e)))
         except _Ended:
             pass  # dropped or stopped by the server, which said why
+        except _ClientEof:
+            if client.session is not None:  # mid-stream: said, in case it still reads
+                self._send(client, P.error_message("bad_message", 'the client closed its side before "end": '
+                                                   "the stream is dropped without a final"))
+            log.info("client disconnected")
         except (ConnectionError, asyncio.IncompleteReadError):
             log.info("client disconnected")
         finally:
