@@ -24,11 +24,15 @@ def _run(model, cfg: ServerConfig, scenario):
     return serve_and_check(model, cfg, lambda server, tcp: scenario(server, *tcp))
 
 
-async def _raw(host, port, lines: list[bytes], read_timeout=5.0) -> list[dict]:
+async def _raw(host, port, lines: list[bytes], read_timeout=5.0, half_close=False) -> list[dict]:
+    """Send `lines` as they are (then close the sending side: `half_close`); every message
+    back until the server closes."""
     reader, writer = await asyncio.open_connection(host, port)
     for line in lines:
         writer.write(line)
     await writer.drain()
+    if half_close:
+        writer.write_eof()
     out = []
     try:
         while line := await asyncio.wait_for(reader.readline(), read_timeout):
@@ -178,17 +182,8 @@ def test_a_client_that_half_closes_without_end_is_told_why_it_gets_no_final(mode
     audio = files[2]["samples"]
 
     async def scenario(server, host, port):
-        got = []
-        for lines in ([_hello("half"), P.encode(P.audio_message(audio[:64000]))], []):
-            reader, writer = await asyncio.open_connection(host, port)
-            writer.write(b"".join(lines))
-            await writer.drain()
-            writer.write_eof()
-            msgs = []
-            while line := await asyncio.wait_for(reader.readline(), 10.0):
-                msgs.append(json.loads(line))
-            writer.close()
-            got.append(msgs)
+        got = [await _raw(host, port, lines, read_timeout=10.0, half_close=True)
+               for lines in ([_hello("half"), P.encode(P.audio_message(audio[:64000]))], [])]
         good = await stream_audio(host, port, "good", audio, realtime=False)
         return got, good
 
