@@ -60,10 +60,11 @@ def test_the_probe_times_the_same_feed_forward_both_ways(activation):
     assert outputs["packed"].shape == (16, 32)
 
 
-def load_encoder(variant: str, dtype: torch.dtype = torch.float32) -> ConformerEncoder:
+def load_encoder(variant: str, dtype: torch.dtype = torch.float32, pack_linears: bool = True) -> ConformerEncoder:
     with NemoArchive(Reference(variant).nemo) as archive:
         cfg = EncoderConfig.from_nemo(archive.config["encoder"])
-        return ConformerEncoder.from_state(cfg, sub_state_dict(archive.state_dict(), "encoder"), dtype=dtype)
+        return ConformerEncoder.from_state(cfg, sub_state_dict(archive.state_dict(), "encoder"), dtype=dtype,
+                                           pack_linears=pack_linears)
 
 
 def layer_linears(enc: ConformerEncoder) -> list[nn.Module]:
@@ -133,9 +134,7 @@ def test_an_encoder_off_the_cpu_is_neither_timed_nor_packed(monkeypatch):
     def no_probe(*shape):
         raise AssertionError("nothing to pack off the CPU: nothing to time")
     monkeypatch.setattr(conformer, "packing_pays", no_probe)
-    with NemoArchive(Reference("tdt_tiny").nemo) as archive:
-        cfg = EncoderConfig.from_nemo(archive.config["encoder"])
-        enc = ConformerEncoder.from_state(cfg, sub_state_dict(archive.state_dict(), "encoder"), pack_linears=False)
+    enc = load_encoder("tdt_tiny", pack_linears=False)
     enc.to("meta")
     enc.fuse_for_inference(pack_linears=True)
     assert {type(m) for m in layer_linears(enc)} == {nn.Linear, nn.Conv1d}
