@@ -299,6 +299,17 @@ def test_segments_whose_times_print_alike_get_names_of_their_own(tmp_path):
     assert [str(f.stem) for f in discover([str(m)])] == ["long_1.001-4.001", "long_1.004-4.004", "long_9.00-12.00"]
 
 
+def test_segments_asking_for_huge_times_get_names_a_file_system_takes(tmp_path):
+    """`"duration": 1e300` (to the end, in effect) printed in full made a 300-digit name, and
+    that segment failed to write: times of 1e9 s and more print in exponent form."""
+    _touch(tmp_path / "long.flac")
+    m = tmp_path / "m.jsonl"
+    m.write_text("".join(json.dumps({"audio_filepath": "long.flac", "offset": o, "duration": d}) + "\n"
+                         for o, d in ((1.0, 1e300), (1e300, 1.0), (1.000001e300, 1.0))))
+    assert [str(f.stem) for f in discover([str(m)])] == [
+        "long_1.00-1.00e+300", "long_1.000000e+300-1.000000e+300", "long_1.000001e+300-1.000001e+300"]
+
+
 def test_an_extension_kept_for_a_shared_stem_never_meets_another_files_stem(tmp_path):
     """`a.flac` and `a.wav` keep their extensions (`a.flac`, `a.wav`), and `a.flac.mp3`'s own
     stem would be `a.flac`: it keeps its full name too, so no output overwrites another."""

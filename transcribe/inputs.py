@@ -310,8 +310,14 @@ def _segment_stem(stem: Path, f: InputFile, digits: int = 2) -> Path:
     """A segment's outputs are named for its times in the file: `talk_15.50-28.13`."""
     if f.offset is None:
         return stem
-    end = f"{f.offset + f.duration:.{digits}f}" if f.duration is not None else "end"
-    return stem.with_name(f"{stem.name}_{f.offset:.{digits}f}-{end}")
+    end = _seconds(f.offset + f.duration, digits) if f.duration is not None else "end"
+    return stem.with_name(f"{stem.name}_{_seconds(f.offset, digits)}-{end}")
+
+
+def _seconds(t: float, digits: int) -> str:
+    # A manifest may ask for any finite time ("duration": 1e300, i.e. to the end): printed in
+    # full, that is a name longer than any file system takes, so such times print as 1.00e+300.
+    return f"{t:.{digits}f}" if t < 1e9 else f"{t:.{digits}e}"
 
 
 def parse_shard(spec: str) -> tuple[int, int]:
