@@ -121,6 +121,27 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
 
 
 @needs_shared
+@needs_shared
+def test_mp3_decoder_warnings_name_their_file_once(tmp_path):
+    """libmpg123's "Warning: Xing stream size off ..." and "Note: Illegal Audio-MPEG-Header ..."
+    named no file, and the Xing warning came twice (the header read for ordering, then the
+    worker's decode). Each now comes once, as `PATH: ...`; the file is still transcribed."""
+    ref = Reference("tdt_tiny")
+    inp = tmp_path / "in"
+    inp.mkdir()
+    audio, rate = sf.read(ref.audio_path(0), dtype="float32")
+    sf.write(tmp_path / "a.mp3", audio[:3 * rate], rate, format="MP3")
+    whole = (tmp_path / "a.mp3").read_bytes()  # ~1 kB of junk inside: > 1 % (mpg123's Xing warning),
+    junk = bytes(range(7, 200)) * 5  # < 8 kB (not taken for MP3s joined end to end, which PyAV reads)
+    (inp / "damaged.mp3").write_bytes(whole[:len(whole) // 2] + junk + whole[len(whole) // 2:])
+    (inp / "b.flac").write_bytes(ref.audio_path(1).read_bytes())
+    p = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    said = [line for line in p.stderr.splitlines() if "Xing" in line or "MPEG-Header" in line]
+    assert sum("Xing" in line for line in said) == 1 and len(said) >= 2, p.stderr
+    assert all(line.startswith(f"{inp / 'damaged.mp3'}: ") for line in said), p.stderr
+
+
 def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another_model(tmp_path):
     """`--model m.nemo` typed in two folders names two checkpoints: the second run must not
     keep the first one's transcripts as done."""

@@ -107,6 +107,28 @@ def test_pool_preprocesses_files_and_fails_crashes_hangs_and_errors_alone(tmp_pa
     assert not _children_alive(first + later)
 
 
+def test_what_the_decoder_says_on_stderr_names_the_file(tmp_path, capfd):
+    """libmpg123 writes "Note: Illegal Audio-MPEG-Header ..." of a damaged MP3 straight to
+    stderr, naming no file. Each such line now comes out as `PATH: Note: ...` from the worker
+    that read the file; a good file read by the same workers adds nothing."""
+    sf.write(tmp_path / "a.mp3", (np.random.default_rng(3).uniform(-0.3, 0.3, 3 * SR)).astype(np.float32),
+             SR, format="MP3")
+    whole = (tmp_path / "a.mp3").read_bytes()
+    junk = bytes(range(7, 200)) * 5  # > 1 % of the file (mpg123 warns of its Xing header too)
+    (tmp_path / "junk in.mp3").write_bytes(whole[:len(whole) // 2] + junk + whole[len(whole) // 2:])
+    files = [_wav(tmp_path / "g0.wav", 16_000), tmp_path / "junk in.mp3", _wav(tmp_path / "g1.wav", 20_000)]
+    fe = ToyFrontend()
+    capfd.readouterr()
+    with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
+        for fid, p in enumerate(files):
+            pool.submit(fid, str(p))
+        _, ends = _collect(pool, len(files), slab)
+    assert [ends[i][0] for i in range(3)] == ["done"] * 3
+    lines = capfd.readouterr().err.splitlines()
+    assert any("Illegal Audio-MPEG-Header" in line for line in lines), lines
+    assert all(line.startswith(f"{tmp_path / 'junk in.mp3'}: ") for line in lines), lines
+
+
 class ShortCutFrontend(ToyFrontend):
     cut_seconds = 2.0  # a file of up to 4 s whole, longer ones in pieces of <= 2 s (as Whisper's 30 / 20 s)
 

@@ -16,7 +16,9 @@ behind; rerunning the command resumes.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import queue
 import sys
 import time
@@ -96,7 +98,8 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
             files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
             outputs=outputs_of(stems, formats), names=outputs_of(stems, list(WRITERS)))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
-        todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
+        with _decoder_chatter_dropped():
+            todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
         n_workers = workers or default_workers()
         stats.stage_seconds["plan"] += time.perf_counter() - t_start
@@ -111,6 +114,22 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
                 stats.stage_seconds[k] += v
             stats.wall_seconds = time.perf_counter() - t_start
     return stats
+
+
+@contextlib.contextmanager
+def _decoder_chatter_dropped() -> Iterator[None]:
+    """Reading a damaged MP3's header has libmpg123 write "Warning: Xing stream size off ..."
+    to stderr, naming no file. The worker that decodes the file says it again, under the
+    file's name (`preprocess.NamedStderr`), so here it is dropped."""
+    sys.stderr.flush()
+    real = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(real, 2)
+        os.close(real)
 
 
 def _header_seconds(path: Path) -> float:

@@ -15,6 +15,8 @@ import gc
 import os
 import pickle
 import signal
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -69,17 +71,68 @@ def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
     frontend = pickle.loads(frontend_bytes)
     frontend(np.zeros(frontend.sample_rate, np.float32))  # build the module now, not on file one
     gc.freeze()
+    stderr = NamedStderr()
     try:
         conn.send(("ready",))
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
                 return
-            conn.send(_one_file(conn, slab, frontend, msg[1], msg[2], msg[3]))
+            try:
+                stderr.path = msg[2]
+                reply = _one_file(conn, slab, frontend, msg[1], msg[2], msg[3], stderr)
+            finally:
+                stderr.forward(end=True)
+            conn.send(reply)
     except (EOFError, BrokenPipeError, _Stop):
         pass  # the main process is gone or stopping us
     finally:
+        stderr.close()
         slab.close()
+
+
+class NamedStderr:
+    """What a C library writes to stderr in this worker, each line under the file's name.
+
+    libmpg123 says "Note: Illegal Audio-MPEG-Header 0x77ee87a1 at offset 18861." of a damaged
+    MP3 and names no file; among thousands of files that tells the user nothing. A worker reads
+    one file at a time, so its fd 2 goes to a temp file, and `forward` (after each block and at
+    the file's end) passes the lines on to the real stderr as `PATH: line`. What a decode says
+    just before it crashes or hangs is lost with the worker; its error names the file all the same."""
+
+    def __init__(self) -> None:
+        self.path = ""
+        self._real = os.dup(2)
+        self._tmp = tempfile.TemporaryFile()
+        os.dup2(self._tmp.fileno(), 2)  # fd 2 shares the temp file's offset: rewinding it rewinds both
+
+    def forward(self, end: bool = False) -> None:
+        """Pass on the whole lines written so far (and, at the file's `end`, a last partial one)."""
+        sys.stderr.flush()
+        fd = self._tmp.fileno()
+        size = os.fstat(fd).st_size
+        if not size:
+            return
+        text = os.pread(fd, size, 0)
+        keep = b"" if end else text[text.rfind(b"\n") + 1:]  # a line still being written waits
+        lines = text[:len(text) - len(keep)].splitlines()
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        if keep:
+            os.write(fd, keep)
+        prefix = f"{self.path}: ".encode(errors="surrogateescape")
+        _write_all(self._real, b"".join(prefix + line + b"\n" for line in lines))
+
+    def close(self) -> None:
+        self.forward(end=True)
+        os.dup2(self._real, 2)
+        os.close(self._real)
+        self._tmp.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
 def _die_with_parent() -> None:
@@ -97,13 +150,13 @@ def _die_with_parent() -> None:
         os._exit(0)  # the parent died before prctl took effect
 
 
-def _one_file(conn, slab: Slab, frontend, fid: int, path: str, span=None) -> tuple:
+def _one_file(conn, slab: Slab, frontend, fid: int, path: str, span=None, stderr: NamedStderr | None = None) -> tuple:
     """Preprocess one file (or its `span`) into slots; returns its closing message ("done" or "error")."""
     stages: dict[str, float] = defaultdict(float)
     try:
         with AudioStream(path, frontend.sample_rate, span=span) as stream:
             conn.send(("start", fid, stream.timeout_seconds, stream.duration))
-            n = _pieces(conn, slab, frontend, fid, stream, stages)
+            n = _pieces(conn, slab, frontend, fid, stream, stages, stderr)
         return ("done", fid, n, stream.samples, dict(stages))
     except AudioError as e:
         return ("error", fid, str(e), dict(stages))
@@ -114,7 +167,8 @@ def _one_file(conn, slab: Slab, frontend, fid: int, path: str, span=None) -> tup
         return ("error", fid, f"{path}: {type(e).__name__}: {e}", dict(stages))
 
 
-def _pieces(conn, slab: Slab, frontend, fid: int, stream: AudioStream, stages: dict) -> int:
+def _pieces(conn, slab: Slab, frontend, fid: int, stream: AudioStream, stages: dict,
+            stderr: NamedStderr | None = None) -> int:
     cutter = PieceCutter(frontend.sample_rate, frontend.max_piece_seconds, frontend.cut_seconds)
     blocks = stream.blocks()
     n = 0
@@ -122,6 +176,8 @@ def _pieces(conn, slab: Slab, frontend, fid: int, stream: AudioStream, stages: d
         t0 = time.perf_counter()
         block = next(blocks, None)
         t1 = time.perf_counter()
+        if stderr is not None:
+            stderr.forward()  # as it comes: a file that then hangs has said its part
         cut = cutter.push(block) if block is not None else cutter.finish()
         stages["preprocess_decode"] += t1 - t0
         stages["preprocess_vad_cut"] += time.perf_counter() - t1
