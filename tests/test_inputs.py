@@ -247,6 +247,7 @@ def test_a_repeated_input_keeps_its_manifest_reference_and_a_second_text_fails_u
         assert set(got) == {str(a), str(b), f"{m}:4"}, order
         assert got[f"{m}:4"].problem == f"{m}:4: names {a} again, with a different `text` (the reference " \
                                         f"of its first mention is used)"
+        assert got[f"{m}:4"].reference is None  # bench scored "A TWO" too, as a failed file's deletions
 
 
 def test_shards_partition_the_inputs(tmp_path):

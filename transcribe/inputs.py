@@ -123,7 +123,7 @@ def _one_reference_each(found: list[InputFile]) -> list[InputFile]:
     against must not go with the one dropped: a file named by a folder (or a bare argument)
     before a manifest line gives it a `text` takes that text, and a manifest line giving an
     input a second, different text fails under its own line instead of being dropped unseen
-    (the first text is scored)."""
+    (the first text is scored; the failed line's is not, as no line that fails to be read is)."""
     out, first = list(found), {}
     for i, f in enumerate(found):
         j = first.setdefault(f.key, i)
@@ -133,7 +133,7 @@ def _one_reference_each(found: list[InputFile]) -> list[InputFile]:
             out[j] = replace(out[j], reference=f.reference)
         else:
             assert f.line is not None  # only a manifest line gives a reference
-            out[i] = replace(f, path=f.line, rel=Path(f.line.name), offset=None,
+            out[i] = replace(f, path=f.line, rel=Path(f.line.name), offset=None, reference=None,
                              problem=f"{f.line}: names {_key(f.path, f.offset)} again, with a different "
                                      f"`text` (the reference of its first mention is used)")
     return out
