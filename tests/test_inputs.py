@@ -292,12 +292,14 @@ def test_segments_of_a_file_are_inputs_of_their_own(tmp_path):
 
 def test_segments_whose_times_print_alike_get_names_of_their_own(tmp_path):
     """Two segments 3 ms apart printed as `long_1.00-4.00` both: the second's outputs were
-    written over the first's. Those print their times to the ms; the others keep 10 ms."""
+    written over the first's. Those print their times to the ms; the others keep 10 ms. Times
+    alike to the us (float noise) print in full."""
     _touch(tmp_path / "long.flac")
     m = tmp_path / "m.jsonl"
     m.write_text("".join(json.dumps({"audio_filepath": "long.flac", "offset": o, "duration": 3.0}) + "\n"
-                         for o in (1.001, 1.004, 9.0)))
-    assert [str(f.stem) for f in discover([str(m)])] == ["long_1.001-4.001", "long_1.004-4.004", "long_9.00-12.00"]
+                         for o in (1.001, 1.004, 9.0, 20.0, 20.0000001)))
+    assert [str(f.stem) for f in discover([str(m)])] == ["long_1.001-4.001", "long_1.004-4.004", "long_9.00-12.00",
+                                                         "long_20.0-23.0", "long_20.0000001-23.0000001"]
 
 
 def test_segments_asking_for_huge_times_get_names_a_file_system_takes(tmp_path):

@@ -290,13 +290,14 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
             break
         for p in clash:
             base[p] = named[p]
-    def named(f: InputFile, digits: int = 2) -> Path:
+    def named(f: InputFile, digits: int | None = 2) -> Path:
         return _segment_stem(base.get(f.path, f.rel.with_suffix("")), f, digits)
 
     out = {f.key: f.stem or named(f) for f in files}
     # Segments whose times print alike to 10 ms (offsets 1.001 and 1.004) would write one set of
-    # files, the second over the first: those print their times to the ms, and finer, until not.
-    for digits in range(3, 7):
+    # files, the second over the first: those print their times to the ms, and finer, until not;
+    # past 1 us (1.0 and 1.0000001, float noise), in full (repr: distinct for distinct offsets).
+    for digits in (3, 4, 5, 6, None):
         taken = Counter(out.values())
         alike = [f for f in files if f.stem is None and f.offset is not None and taken[out[f.key]] > 1]
         if not alike:
@@ -306,7 +307,7 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
     return out
 
 
-def _segment_stem(stem: Path, f: InputFile, digits: int = 2) -> Path:
+def _segment_stem(stem: Path, f: InputFile, digits: int | None = 2) -> Path:
     """A segment's outputs are named for its times in the file: `talk_15.50-28.13`."""
     if f.offset is None:
         return stem
@@ -314,9 +315,11 @@ def _segment_stem(stem: Path, f: InputFile, digits: int = 2) -> Path:
     return stem.with_name(f"{stem.name}_{_seconds(f.offset, digits)}-{end}")
 
 
-def _seconds(t: float, digits: int) -> str:
+def _seconds(t: float, digits: int | None) -> str:
     # A manifest may ask for any finite time ("duration": 1e300, i.e. to the end): printed in
     # full, that is a name longer than any file system takes, so such times print as 1.00e+300.
+    if digits is None:
+        return repr(t)  # the shortest text that reads back as t: 1.0000001, 1e+300
     return f"{t:.{digits}f}" if t < 1e9 else f"{t:.{digits}e}"
 
 
