@@ -18,8 +18,11 @@ def test_directory_is_walked_recursively_and_mirrored(tmp_path):
     _touch(tmp_path / "talks" / "deep" / "b.MP3")
     _touch(tmp_path / "notes.txt")
     _touch(tmp_path / ".hidden.wav")
+    _touch(tmp_path / ".Trash-1000" / "files" / "old.wav")  # deleted audio
+    _touch(tmp_path / "talks" / ".AppleDouble" / "a.flac")  # a resource file named as the audio
     files = discover([str(tmp_path)])
     assert [f.rel for f in files] == [Path("talks/a.flac"), Path("talks/deep/b.MP3")]
+    assert [f.rel for f in discover([str(tmp_path / ".Trash-1000")])] == [Path("files/old.wav")]  # named: searched
     assert all(f.path.is_absolute() for f in files)
     stems = output_stems(files)
     assert stems[files[0].path] == Path("talks/a") and stems[files[1].path] == Path("talks/deep/b")

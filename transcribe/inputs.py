@@ -179,7 +179,8 @@ def _distinct_rels(files: list[InputFile], roots: list[int | None]) -> list[Inpu
 
 def _walk(root: Path) -> list[InputFile]:
     """Audio files under `root`, following links to folders, each real folder once: a link
-    back up the tree (`data/all -> ..`) would otherwise be walked again at every level."""
+    back up the tree (`data/all -> ..`) would otherwise be walked again at every level. Names
+    starting with "." are skipped, files and folders (`root` itself is searched whatever its name)."""
     out = []
     seen: set[tuple[int, int]] = set()
     unlisted: list[OSError] = []  # folders os.walk could not list (it skips them silently)
@@ -193,7 +194,9 @@ def _walk(root: Path) -> list[InputFile]:
             dirnames.clear()
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirnames.sort()
+        # Hidden folders, like hidden files, are not the user's audio: `.AppleDouble` holds
+        # resource files named as the audio, `.Trash-1000` deleted files, `.git` objects.
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
             if Path(name).suffix.lower() in AUDIO_EXTENSIONS and not name.startswith("."):
                 full = Path(dirpath) / name
