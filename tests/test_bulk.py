@@ -135,7 +135,8 @@ def _bad_inputs(inp: Path) -> dict[str, str]:
     (inp / "clip.m4a").write_bytes(b"\x00\x00\x00\x18ftypM4A " + bytes(64))
     (inp / "gone.wav").symlink_to(inp / "nowhere.wav")
     kinds = {"empty.wav": "empty", "text.wav": "not a readable audio file", "corrupt.flac": "lost sync",
-             "truncated.flac": "lost sync", "truncated.wav": "truncated", "no_samples.wav": "no audio samples",
+             "truncated.flac": "corrupt or cut off: decoding failed before the end its header promises at 15.0 s",
+             "truncated.wav": "truncated", "no_samples.wav": "no audio samples",
              "rate_2k.wav": "sample rate 2000", "channels_65.wav": "channel count 65", "short.wav": "too short",
              "nan.wav": "NaN", "clip.m4a": "av" if _no_av() else "not a readable audio file",
              "gone.wav": "no such file"}  # a broken link, logged under its own name

@@ -233,7 +233,12 @@ class _SoundfileSource:
             try:
                 got = self._f.read(n, dtype="float32", always_2d=True, out=buf)
             except (sf.SoundFileError, RuntimeError, OSError) as e:
-                # Corrupt or truncated compressed streams fail here ("flac decoder lost sync").
+                # Corrupt or truncated compressed streams fail here ("flac decoder lost sync"),
+                # a whole block at once: where in it is not known (libsndfile's smaller reads
+                # near the fault fail elsewhere, on a seek), so the message says what may be.
+                if 0 < self.frames != _UNKNOWN_FRAMES and self._at < self.frames:
+                    raise AudioError(self.path, f"corrupt or cut off: decoding failed before the end its header "
+                                                f"promises at {self.frames / self.rate:.1f} s ({str(e).strip()})") from e
                 raise _open_error(self.path, e) from e
             self._at += got.shape[0]
             if got.shape[0] == 0:
