@@ -90,3 +90,13 @@ def test_stitched_times_of_a_piece_end_where_the_next_begins():
     assert [(g.start, g.end) for g in s.segments] == [(0.0, 10.0), (10.0, 10.4), (24.8, 25.3)]
     alone = stitch([r1], [0.0])
     assert alone.words[-1].end == 10.3 and alone.segments[-1].end == 10.3
+
+
+def test_stitched_times_never_start_before_their_piece():
+    """Whisper's alignment gives a token at the first audio frame -0.02 s (OpenAI's DTW border
+    step): a 30 ms file's JSON said `"start": -0.02`. Times before a piece's start are its start."""
+    r = Result(text="you", words=[Word("you", -0.02, -0.02)], segments=[Segment("you", -0.02, -0.02)])
+    alone = stitch([r], [0.0], duration=0.03)
+    assert (alone.words[0].start, alone.words[0].end, alone.segments[0].start) == (0.0, 0.0, 0.0)
+    later = stitch([Result(text="a", words=[Word("a", 0.0, 0.5)], segments=[Segment("a", 0.0, 0.5)]), r], [0.0, 10.0])
+    assert [(w.start, w.end) for w in later.words] == [(0.0, 0.5), (10.0, 10.0)]

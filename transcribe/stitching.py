@@ -9,14 +9,16 @@ from transcribe.results import Result
 
 def shift(result: Result, offset: float, until: float = math.inf) -> Result:
     """The same result with every word and segment time moved by `offset` seconds, and times
-    past `until` (file seconds) pulled back to it."""
-    if offset == 0.0 and until == math.inf:
-        return result
+    past `until` (file seconds) pulled back to it, times before the piece's start up to it:
+    Whisper's alignment puts a token it finds at the very first audio frame at -0.02 s (OpenAI's
+    DTW backtrace steps along the border at frame -1), which in a 30 ms file was every word."""
+    def at(t: float) -> float:
+        return max(offset, min(t + offset, until))
+
     return replace(
         result,
-        words=[replace(w, start=min(w.start + offset, until), end=min(w.end + offset, until)) for w in result.words],
-        segments=[replace(s, start=min(s.start + offset, until), end=min(s.end + offset, until))
-                  for s in result.segments],
+        words=[replace(w, start=at(w.start), end=at(w.end)) for w in result.words],
+        segments=[replace(s, start=at(s.start), end=at(s.end)) for s in result.segments],
     )
 
 
