@@ -17,7 +17,7 @@ import pytest
 
 import transcribe.pipeline as pipeline
 from transcribe.batching import Batcher
-from transcribe.file_language import FileLanguages
+from transcribe.file_language import MAX_PROBES, MAX_UNSURE, SURE, FileLanguages
 from transcribe.preprocess import Piece
 from transcribe.results import Result
 
@@ -191,8 +191,14 @@ def simulate(seed, n_workers=2, n_files=5, p_error_event=0.05):
     assert not pool.granted, f"leaked {sorted(pool.granted)}"
     assert set(outs.finished) | set(outs.failed) == set(range(n_files))
     for fid, res in outs.finished.items():
-        langs = {r.language for (f, i), r in job.stored.items() if f == fid and r.text}
+        said = [r for (f, i), r in job.stored.items() if f == fid and r.text]
+        # One language, but for unsure probes let go before the decision (at most the first
+        # MAX_PROBES - MAX_UNSURE + 1 of them, each as it was decoded).
+        langs = {r.language for r in said if r.language_probability is None or r.language_probability >= SURE}
         assert len(langs) <= 1, (fid, langs)
+        let_go = [r for r in said if r.language not in langs]
+        assert all(r.language_probability < SURE for r in let_go), (fid, let_go)
+        assert len(let_go) <= MAX_PROBES - MAX_UNSURE + 1, (fid, let_go)
         assert len([k for k in job.stored if k[0] == fid]) == len(files[fid])
     from collections import Counter
     c = Counter(k for k, _ in set(calls))

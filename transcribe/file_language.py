@@ -12,16 +12,18 @@ decided, then batched in it. A probe that says nothing (silent, or no text) pass
 the next piece. A probe with text decides when the model is sure of its language (probability
 >= `SURE`); one it is not sure of (music before the speech: whisper-base took a 25 s tune for
 Romanian at 0.64, then wrote the whole English talk in Romanian) keeps its slot and result
-aside and the next piece probes too. After `MAX_UNSURE` such probes, or at the end of the file,
-the language with the most probability summed over them wins (faster-whisper's vote over
-`language_detection_segments`), and the probes detected as another language are decoded again
-in it.
+aside and the next piece probes too. At most `MAX_UNSURE` probes wait so; a further one lets
+the oldest go as it was decoded (a long intro's music: three 12 s pieces of a tune, called
+Romanian at 0.36-0.45, had voted the English talk after them Romanian). After `MAX_PROBES`
+unsure probes, or at the end of the file, the language with the most probability summed over
+them all wins (faster-whisper's vote over `language_detection_segments`), and the probes still
+waiting that were detected as another language are decoded again in it.
 
 A held piece waits one batch per probe before it: that piece is already in the batcher, and the
 main loop runs a batch whenever the batcher holds one. That relies on a file's pieces arriving
 in order, which they do: one worker cuts a file front to back and its events keep their order.
 Only probes wait for a piece not yet cut, at most MAX_UNSURE - 1 = 2 slots per file a worker is
-cutting; the slab has at least 2 slots per worker + 1 (`pipeline`), so a worker always finds one.
+cutting (the oldest goes before a third would wait); the slab has at least 2 slots per worker + 1 (`pipeline`), so a worker always finds one.
 """
 from __future__ import annotations
 
@@ -36,7 +38,11 @@ from transcribe.results import Result
 # and 18 right ones were under 0.8 (median 0.997): those pass the choice on at the cost of one
 # batch's wait, and a file of one piece decides by it all the same.
 SURE = 0.8
-MAX_UNSURE = 3  # unsure probes before the vote (each keeps its slot until the language is known)
+MAX_UNSURE = 3  # unsure probes held at once (each keeps its slot until the language is known)
+# Unsure probes before the vote: a file's first 8 pieces (2-4 min of a podcast's music and
+# jingles, pieces being cut at pauses into 20-30 s) may pass the choice on; a file the model is
+# never sure of (a language it knows little) is decided by them, the first 5 as they came.
+MAX_PROBES = 8
 
 # What a decoded piece leads to: results that are final now (store them; their slots go back)
 # and pieces to batch now (held ones in the file's language, unsure probes to decode again).
@@ -50,6 +56,8 @@ class _Deciding:
     expected: int | None = None  # the file's piece count, once its worker has cut it all
     held: dict[int, Piece] = field(default_factory=dict)  # index -> piece waiting for the language
     unsure: dict[int, tuple[Piece, Result]] = field(default_factory=dict)  # probes awaiting the vote
+    votes: dict[str, float] = field(default_factory=dict)  # language -> probability summed over unsure probes
+    n_unsure: int = 0  # unsure probes so far, those let go included
 
 
 class FileLanguages:
@@ -83,9 +91,13 @@ class FileLanguages:
             if sure:
                 return self._decide(st, result.language, [(piece, result)])
             st.unsure[piece.index] = (piece, result)
-            if len(st.unsure) >= MAX_UNSURE:
-                return self._decide(st, _vote(st.unsure.values()), [])
+            st.votes[result.language] = st.votes.get(result.language, 0.0) + (result.language_probability or 0.0)
+            st.n_unsure += 1
+            if st.n_unsure >= MAX_PROBES:
+                return self._decide(st, _vote(st.votes), [])
             final: list[tuple[Piece, Result]] = []
+            if len(st.unsure) >= MAX_UNSURE:  # the oldest stands as decoded, its slot back
+                final.append(st.unsure.pop(min(st.unsure)))
         else:
             final = [(piece, result)]  # nothing said: the next piece detects
         st.probe += 1
@@ -113,8 +125,8 @@ class FileLanguages:
     def _end(self, st: _Deciding, final: list[tuple[Piece, Result]]) -> Outcome:
         """No piece is left to probe: the vote of the unsure ones, if any."""
         if not st.unsure:
-            return final, []  # no piece said anything; nothing waits
-        return self._decide(st, _vote(st.unsure.values()), final)
+            return final, []  # no piece said anything, or none waits any more
+        return self._decide(st, _vote(st.votes), final)
 
     def _decide(self, st: _Deciding, language: str, final: list[tuple[Piece, Result]]) -> Outcome:
         st.language = language
@@ -124,9 +136,6 @@ class FileLanguages:
         return final, sorted(again + list(held.values()), key=lambda p: p.index)
 
 
-def _vote(unsure) -> str:
+def _vote(votes: dict[str, float]) -> str:
     """The language with the most probability summed over the unsure probes (ties: the first's)."""
-    score: dict[str, float] = {}
-    for _, r in unsure:
-        score[r.language] = score.get(r.language, 0.0) + (r.language_probability or 0.0)
-    return max(score, key=score.__getitem__)
+    return max(votes, key=votes.__getitem__)
