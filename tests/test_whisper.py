@@ -221,6 +221,50 @@ def test_a_window_whose_text_stops_short_is_decoded_on_from_where_it_stopped():
     assert texts[False] == texts[True] and texts[True].lower().endswith("you thought me so silly.")
 
 
+def test_a_last_sentence_after_a_pause_is_decoded_from_a_short_tail():
+    """22.1 s of speech, 3 s of pause, then "He could wait no longer." (2.1 s): base closes its
+    last segment at 25.72 s, over the pause and into that sentence, and the 1.47 s left were
+    under the 1.5 s a tail had to be: the sentence was lost. Tails from 1 s are decoded now,
+    those under 1.5 s kept when clearly speech (no-speech 0.02 here)."""
+    import soundfile as sf
+
+    from conftest import SPEECH, bundled_whisper_fp32
+
+    engine = bundled_whisper_fp32(4)
+    read = lambda name: sf.read(SPEECH / "librispeech_misc" / name, dtype="float32")[0]  # noqa: E731
+    audio = np.concatenate([read("2412-153948-0000.flac"), read("1089-134686-0000.flac"),
+                            np.zeros(3 * 16000, np.float32), read("1089-134691-0000.flac")])
+    text = engine.transcribe_features([torch.from_numpy(engine.frontend(audio))])[0].text
+    assert text.endswith("sauce. He could wait no longer."), text
+
+
+def test_short_tails_are_kept_only_when_clearly_speech():
+    """A tail of 1-1.5 s stands when its no-speech probability is at most 0.2 and its mean
+    log-probability at least -1; a longer one when no-speech is at most 0.5. Constructed decoder
+    output: "liner." after "aligner" (0.20 at -1.20) and "Thank you." (0.74) are dropped."""
+    from types import SimpleNamespace
+
+    from engines.stage_times import StageTimes
+    from engines.whisper_decoding import WindowResult
+    from engines.whisper_engine import WhisperEngine
+
+    tok = SimpleNamespace(eot=50257, timestamp_begin=50364)
+    ts = lambda s: tok.timestamp_begin + round(s / 0.02)  # noqa: E731
+
+    def window(text, end, logprob=-0.3, no_speech=0.02):
+        return WindowResult(text, ((0.0, end, text),), (ts(0.0), 100, ts(end)), logprob, no_speech, 1.0, False)
+
+    cases = [((1.3, -0.35, 0.02), True), ((1.3, -1.2, 0.196), False), ((1.3, -0.8, 0.74), False),
+             ((1.3, -0.8, 0.25), False), ((1.8, -0.8, 0.41), True), ((1.8, -0.8, 0.55), False)]
+    for (tail, logprob, no_speech), kept in cases:
+        decoded = iter([window("Main.", 10.0 - tail), window("Tail.", tail - 0.1, logprob, no_speech)])
+        decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
+                                  stage_seconds=StageTimes("cpu"),
+                                  decode=lambda mel, frames, words, languages: [next(decoded) for _ in frames])
+        out = WhisperEngine(decoder).transcribe_features([torch.zeros(80, 1000)])[0]  # 10 s of sound
+        assert out.text == ("Main. Tail." if kept else "Main."), (tail, logprob, no_speech)
+
+
 def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
     """25 s of a tune, then JFK, in Romanian: base wrote <|0.00|> Muzica<|2.00|> for the tune's
     first piece (16.8 s), and the word alignment put "Muzica" at 15.36-16.76 s; the tail, decoded
