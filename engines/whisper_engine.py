@@ -73,6 +73,14 @@ SILENCE_LOG_MEL = -0.6
 # those of the 223 short files but for one tail, "What was the..." for the missing "woe to
 # thee" (WER 11.72 -> 11.74 %: the normaliser keeps the ellipsis's "." as a word).
 TAIL_SECONDS = 1.0
+# Digital silence (exact zeros: a muted start, the padding of edited or synthetic audio) at the
+# start of a piece reads to the model as the zero padding after a window's audio: with 3 s or
+# more of it before a sentence, 4 s of zeros and another sentence, base began its text with the
+# second sentence (its first timestamp allowed, <= 1 s, then the text of 9.7 s), and the first
+# was lost; over a noise floor of -50 dBFS, or after 2 s of zeros, it was there. All but the
+# last LEAD_KEEP_FRAMES of such frames (mel 10 ms frames at the log-mel floor in every band)
+# are cut, and the piece's times moved by what was cut.
+LEAD_KEEP_FRAMES = 100
 TAIL_NO_SPEECH = 0.5
 SHORT_TAIL_SECONDS, SHORT_TAIL_NO_SPEECH, SHORT_TAIL_LOGPROB = 1.5, 0.2, -1.0
 CONTINUATIONS = 2
@@ -168,6 +176,16 @@ def pad_window(features: torch.Tensor) -> torch.Tensor:
     if missing == 0:
         return features
     return torch.cat([features, features[:, -1:].expand(-1, missing)], dim=1)
+
+
+def _digital_silence_lead(features: torch.Tensor) -> int:
+    """Mel frames to cut from the start of a piece's features [n_mels, T]: its leading frames of
+    digital silence (every band at the floor OpenAI's log-mel clamps to, max - 8) but the last
+    LEAD_KEEP_FRAMES of them; 0 when there are no more than that, or the piece is all silence."""
+    frame_max = features.amax(dim=0)
+    silent = frame_max <= features.min()
+    n = int(silent.int().cumprod(dim=0).sum())
+    return n - LEAD_KEEP_FRAMES if LEAD_KEEP_FRAMES < n < features.shape[1] else 0
 
 
 def frames_to_seconds(frames: int) -> float:
@@ -289,6 +307,8 @@ class WhisperEngine:
         the piece's language. languages: with `detects_language`, a piece's language where its
         file's is known (None: detect it), as `Engine.transcribe_features` says."""
         languages = languages or [None] * len(features)
+        lead = [_digital_silence_lead(f) for f in features]
+        features = [f[:, n:] if n else f for f, n in zip(features, lead)]
         # A silent piece names the language it would have been decoded in, as a decoded one does.
         out: list[Result | None] = [Result(text="", language=lang or self.decoder.prompt_language)
                                     if float(f.amax()) <= SILENCE_LOG_MEL else None
@@ -322,7 +342,7 @@ class WhisperEngine:
                                 language=res.language, language_probability=res.language_probability)
         if continuations > 0:
             self._decode_tails(features, out, reached, continuations)
-        return out
+        return [shift(r, n * HOP_LENGTH / SAMPLE_RATE) if n else r for r, n in zip(out, lead)]
 
     def _decode_tails(self, features: list[torch.Tensor], out: list[Result], reached: dict[int, float],
                       continuations: int) -> None:

@@ -238,6 +238,32 @@ def test_a_last_sentence_after_a_pause_is_decoded_from_a_short_tail():
     assert text.endswith("sauce. He could wait no longer."), text
 
 
+def test_a_sentence_after_seconds_of_digital_silence_is_transcribed_at_its_time():
+    """5 s of exact zeros, a sentence, 4 s of zeros, a sentence: base began its text with the
+    second sentence and the first was lost. The leading zeros but 1 s are cut before decoding
+    and the times moved back; a noise floor, or 1 s of zeros, is left as it is."""
+    import soundfile as sf
+
+    from conftest import SPEECH, bundled_whisper_fp32
+    from engines.whisper_engine import _digital_silence_lead
+
+    engine = bundled_whisper_fp32(4)
+    read = lambda name: sf.read(SPEECH / "librispeech_misc" / name, dtype="float32")[0]  # noqa: E731
+    zeros = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
+    first = read("1089-134686-0001.flac")
+    audio = np.concatenate([zeros(5), first, zeros(4), read("61-70968-0000.flac")])
+    engine.word_timestamps = True
+    out = engine.transcribe_features([torch.from_numpy(engine.frontend(audio))])[0]
+    assert out.text.startswith("Stuff it into you, his belly counsel"), out.text
+    assert 5.0 <= out.words[0].start < 5.5 and out.segments[0].start >= 5.0, out.words[:2]
+    feats = lambda a: torch.from_numpy(engine.frontend(a))  # noqa: E731
+    assert _digital_silence_lead(feats(audio)) == 400  # 5 s of frames at the floor, 1 s kept
+    noise = (np.random.default_rng(0).standard_normal(5 * 16000) * 0.003).astype(np.float32)  # -50 dBFS
+    assert _digital_silence_lead(feats(np.concatenate([noise, first]))) == 0
+    assert _digital_silence_lead(feats(np.concatenate([zeros(0.9), first]))) == 0
+    assert _digital_silence_lead(feats(zeros(5))) == 0  # all silence: left to the silence check
+
+
 def test_short_tails_are_kept_only_when_clearly_speech():
     """A tail of 1-1.5 s stands when its no-speech probability is at most 0.2 and its mean
     log-probability at least -1; a longer one when no-speech is at most 0.5. Constructed decoder
