@@ -121,7 +121,6 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
 
 
 @needs_shared
-@needs_shared
 def test_mp3_decoder_warnings_name_their_file_once(tmp_path):
     """libmpg123's "Warning: Xing stream size off ..." and "Note: Illegal Audio-MPEG-Header ..."
     named no file, and the Xing warning came twice (the header read for ordering, then the
@@ -142,6 +141,7 @@ def test_mp3_decoder_warnings_name_their_file_once(tmp_path):
     assert all(line.startswith(f"{inp / 'damaged.mp3'}: ") for line in said), p.stderr
 
 
+@needs_shared
 def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another_model(tmp_path):
     """`--model m.nemo` typed in two folders names two checkpoints: the second run must not
     keep the first one's transcripts as done."""

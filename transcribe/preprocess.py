@@ -6,7 +6,8 @@ written into a slot the main process granted; a `Piece` descriptor goes back ove
 Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, followed
 by the slab's descriptor (`Slab.share`: SCM_RIGHTS over the pipe's socket), then
 ("file", fid, path, span: (start s, length s) of a segment or None), ("slot", slot), ("stop",);
-(worker -> main): ("ready",) once, then per file ("start", fid, header seconds bounded by the file's size), ("slot?",), ("piece", Piece),
+(worker -> main): ("ready", has stderr file) once, followed by that memory file's descriptor if it
+has one (`NamedStderr`), then per file ("start", fid, header seconds bounded by the file's size), ("slot?",), ("piece", Piece),
 ("done", fid, n_pieces, samples, stage seconds), ("error", fid, reason, stage seconds).
 """
 from __future__ import annotations
@@ -16,10 +17,10 @@ import os
 import pickle
 import signal
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from multiprocessing.reduction import send_handle
 
 import numpy as np
 
@@ -73,7 +74,9 @@ def worker_main(conn, spec: SlabSpec, frontend_bytes: bytes) -> None:
     gc.freeze()
     stderr = NamedStderr()
     try:
-        conn.send(("ready",))
+        conn.send(("ready", stderr.fd is not None))
+        if stderr.fd is not None:
+            send_handle(conn, stderr.fd, 0)  # for the pool to read should this worker die mid-file
         while True:
             msg = conn.recv()
             if msg[0] == "stop":
@@ -96,43 +99,64 @@ class NamedStderr:
 
     libmpg123 says "Note: Illegal Audio-MPEG-Header 0x77ee87a1 at offset 18861." of a damaged
     MP3 and names no file; among thousands of files that tells the user nothing. A worker reads
-    one file at a time, so its fd 2 goes to a temp file, and `forward` (after each block and at
-    the file's end) passes the lines on to the real stderr as `PATH: line`. What a decode says
-    just before it crashes or hangs is lost with the worker; its error names the file all the same."""
+    one file at a time, so its fd 2 goes to an anonymous memory file (`fd`), and `forward`
+    (after each block and at the file's end) passes the lines on to the real stderr as
+    `PATH: line`. The pool holds the same memory file (sent with "ready"): what a decoder said
+    just before it crashed or hung there is read and named by the pool when it replaces the
+    worker (`workers.WorkerPool._replace`). Without memfd_create (not Linux) stderr is left alone."""
 
     def __init__(self) -> None:
         self.path = ""
+        self.fd: int | None = None
+        try:
+            fd = os.memfd_create("transcribe-stderr", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            return
+        sys.stderr.flush()
         self._real = os.dup(2)
-        self._tmp = tempfile.TemporaryFile()
-        os.dup2(self._tmp.fileno(), 2)  # fd 2 shares the temp file's offset: rewinding it rewinds both
+        os.dup2(fd, 2)  # fd 2 shares the memory file's offset: rewinding one rewinds both
+        self.fd = fd
 
     def forward(self, end: bool = False) -> None:
         """Pass on the whole lines written so far (and, at the file's `end`, a last partial one)."""
+        if self.fd is None:
+            return
         sys.stderr.flush()
-        fd = self._tmp.fileno()
-        size = os.fstat(fd).st_size
+        size = os.fstat(self.fd).st_size
         if not size:
             return
-        text = os.pread(fd, size, 0)
+        text = os.pread(self.fd, size, 0)
         keep = b"" if end else text[text.rfind(b"\n") + 1:]  # a line still being written waits
-        lines = text[:len(text) - len(keep)].splitlines()
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
         if keep:
-            os.write(fd, keep)
-        prefix = f"{self.path}: ".encode(errors="surrogateescape")
-        _write_all(self._real, b"".join(prefix + line + b"\n" for line in lines))
+            os.write(self.fd, keep)
+        write_named_lines(self._real, self.path, text[:len(text) - len(keep)])
 
     def close(self) -> None:
-        self.forward(end=True)
-        os.dup2(self._real, 2)
-        os.close(self._real)
-        self._tmp.close()
+        if self.fd is None:
+            return
+        try:
+            self.forward(end=True)
+        finally:
+            os.dup2(self._real, 2)
+            os.close(self._real)
+            os.close(self.fd)
+            self.fd = None
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
+def write_named_lines(fd: int, path: str, text: bytes) -> None:
+    """`text`'s lines to `fd`, each as `PATH: line`, one write per line (a line under 4 KB stays
+    whole in a pipe shared with the other workers). A stderr that takes no more (a closed or
+    full pipe) loses them, as it would a C library's own fprintf, and the file goes on."""
+    prefix = f"{path}: ".encode(errors="surrogateescape")
+    for line in text.splitlines():
+        data = prefix + line + b"\n"
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError:
+            return
 
 
 def _die_with_parent() -> None:

@@ -25,8 +25,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from multiprocessing.connection import wait
+from multiprocessing.reduction import recv_handle
 
-from transcribe.preprocess import Piece, worker_boot
+from transcribe.preprocess import Piece, worker_boot, write_named_lines
 from transcribe.shm import Slab
 
 __all__ = ["FileTimeout", "Piece", "Prespawned", "WorkerPool", "WorkerStartError", "default_workers"]
@@ -110,6 +111,7 @@ class _Worker:
     seconds: float | None = None  # its file's length, from the header, once it has opened it
     waiting_since: float | None = None  # asked for a slot, none free yet
     granted: set[int] = field(default_factory=set)  # slots given, not yet sent back in a Piece
+    stderr: int | None = None  # its fd 2's memory file (preprocess.NamedStderr), once ready
 
 
 class WorkerPool:
@@ -183,6 +185,8 @@ class WorkerPool:
                 w.process.kill()
                 w.process.join()
             w.conn.close()
+            if w.stderr is not None:
+                os.close(w.stderr)
         self._workers = []
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -267,6 +271,8 @@ class WorkerPool:
         kind = msg[0]
         if kind == "ready":
             w.ready, self._start_failures = True, 0
+            if msg[1]:
+                w.stderr = recv_handle(w.conn)  # right behind the message
         elif kind == "slot?":
             if self._free:
                 self._grant(w, now)
@@ -294,6 +300,11 @@ class WorkerPool:
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
                 raise WorkerStartError(f"preprocessing workers cannot start: {why}")
+        if w.stderr is not None:
+            if w.fid is not None:  # what its decoder said last, before it died or hung
+                size = os.fstat(w.stderr).st_size
+                write_named_lines(2, w.path, os.pread(w.stderr, size, 0) if size else b"")
+            os.close(w.stderr)
         if w.fid is not None:
             self.events.put(("error", w.fid, f"{w.path}: {why}", w.seconds))
         self._free.extend(w.granted)
