@@ -129,6 +129,54 @@ def test_what_the_decoder_says_on_stderr_names_the_file(tmp_path, capfd):
     assert all(line.startswith(f"{tmp_path / 'junk in.mp3'}: ") for line in lines), lines
 
 
+class SaysThenDies(ToyFrontend):
+    """A decoder that writes its last words to stderr, then dies (a C assert's abort)."""
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray:
+        if audio.shape[0] == CRASH_LEN:
+            os.write(2, b"decoder.c:42: frame_decode: Assertion `n < 1152' failed.\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__call__(audio)
+
+
+def test_what_a_worker_said_before_it_died_is_named_by_the_pool(tmp_path, capfd):
+    """Lines still in a worker's stderr file when it dies (an assert's message, then SIGABRT)
+    died with it; the pool reads them from the same memory file and names the file."""
+    files = [_wav(tmp_path / "dies.wav", CRASH_LEN), _wav(tmp_path / "g.wav", 16_000)]
+    fe = SaysThenDies()
+    capfd.readouterr()
+    with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
+        for fid, p in enumerate(files):
+            pool.submit(fid, str(p))
+        _, ends = _collect(pool, len(files), slab)
+    assert ends[0][0] == "error" and "killed by SIGKILL" in ends[0][2] and ends[1][0] == "done"
+    err = capfd.readouterr().err
+    assert f"{files[0]}: decoder.c:42: frame_decode: Assertion `n < 1152' failed.\n" in err, err
+
+
+def test_a_stderr_that_takes_nothing_fails_no_file(tmp_path):
+    """Workers whose stderr is a pipe nobody reads any more (`2>&1 | head` ended): the decoder's
+    lines are lost, as its own fprintf's were, and the damaged MP3 is still transcribed."""
+    sf.write(tmp_path / "a.mp3", (np.random.default_rng(3).uniform(-0.3, 0.3, 3 * SR)).astype(np.float32),
+             SR, format="MP3")
+    whole = (tmp_path / "a.mp3").read_bytes()
+    (tmp_path / "junk.mp3").write_bytes(whole[:len(whole) // 2] + bytes(range(7, 200)) * 5 + whole[len(whole) // 2:])
+    fe = ToyFrontend()
+    r, w = os.pipe()
+    saved = os.dup(2)
+    try:
+        os.dup2(w, 2)  # the workers inherit this stderr at spawn
+        os.close(r)
+        os.close(w)
+        with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
+            pool.submit(0, str(tmp_path / "junk.mp3"))
+            _, ends = _collect(pool, 1, slab)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    assert ends[0][0] == "done", ends[0]
+
+
 class ShortCutFrontend(ToyFrontend):
     cut_seconds = 2.0  # a file of up to 4 s whole, longer ones in pieces of <= 2 s (as Whisper's 30 / 20 s)
 
@@ -262,6 +310,22 @@ def test_pyav_decodes_audio_and_reports_a_missing_stream(tmp_path):
             c.mux(packet)
     with pytest.raises(AudioError, match="no audio stream"):
         AudioStream(tmp_path / "v.mp4", SR)
+
+
+def test_a_cut_off_flac_says_so_read_whole_or_as_a_segment(tmp_path):
+    """Half a FLAC failed as "not a readable audio file (flac decoder lost sync)", a segment past
+    the cut as "(Internal psf_fseek() failed)": both now say corrupt or cut off, with the length
+    its header promises."""
+    from transcribe.decode import AudioError
+
+    sf.write(tmp_path / "a.flac", (np.random.default_rng(2).uniform(-0.3, 0.3, 8 * SR)).astype(np.float32), SR)
+    whole = (tmp_path / "a.flac").read_bytes()
+    (tmp_path / "half.flac").write_bytes(whole[:len(whole) // 2])
+    for span in (None, (6.0, 1.0)):
+        with pytest.raises(AudioError, match=r"half\.flac: corrupt or cut off: decoding failed before the end "
+                                             r"its header promises at 8\.0 s \("):
+            with AudioStream(tmp_path / "half.flac", SR, span=span) as stream:
+                list(stream.blocks())
 
 
 def test_a_cut_off_mp3_fails_and_a_chained_ogg_is_read_whole(tmp_path, monkeypatch):

@@ -222,7 +222,7 @@ class _SoundfileSource:
         try:
             self._f.seek(frame)
         except (sf.SoundFileError, RuntimeError) as e:
-            raise _open_error(self.path, e) from e
+            raise self._read_error(e) from e
         self._at = frame
         return frame
 
@@ -233,13 +233,7 @@ class _SoundfileSource:
             try:
                 got = self._f.read(n, dtype="float32", always_2d=True, out=buf)
             except (sf.SoundFileError, RuntimeError, OSError) as e:
-                # Corrupt or truncated compressed streams fail here ("flac decoder lost sync"),
-                # a whole block at once: where in it is not known (libsndfile's smaller reads
-                # near the fault fail elsewhere, on a seek), so the message says what may be.
-                if 0 < self.frames != _UNKNOWN_FRAMES and self._at < self.frames:
-                    raise AudioError(self.path, f"corrupt or cut off: decoding failed before the end its header "
-                                                f"promises at {self.frames / self.rate:.1f} s ({str(e).strip()})") from e
-                raise _open_error(self.path, e) from e
+                raise self._read_error(e) from e
             self._at += got.shape[0]
             if got.shape[0] == 0:
                 if self.frames - self._at > max(SHORT_FRACTION * self.frames, SHORT_SECONDS * self.rate):
@@ -248,6 +242,16 @@ class _SoundfileSource:
                 return
             # A fresh array either way: `buf` is reused for the next block.
             yield got[:, 0].copy() if self.channels == 1 else got.mean(axis=1, dtype=np.float32)
+
+    def _read_error(self, e: Exception) -> AudioError:
+        # Corrupt or truncated compressed streams fail in a read ("flac decoder lost sync") or
+        # a segment's seek ("Internal psf_fseek() failed"), a whole block at once: where in it
+        # is not known (libsndfile's smaller reads near the fault fail elsewhere, on a seek),
+        # so the message says what may be, and how long the header says the file is.
+        if 0 < self.frames != _UNKNOWN_FRAMES and self._at < self.frames:
+            return AudioError(self.path, f"corrupt or cut off: decoding failed before the end its header "
+                                         f"promises at {self.frames / self.rate:.1f} s ({str(e).strip()})")
+        return _open_error(self.path, e)
 
     def close(self) -> None:
         self._f.close()
