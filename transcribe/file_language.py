@@ -16,8 +16,9 @@ aside and the next piece probes too. At most `MAX_UNSURE` probes wait so; a furt
 the oldest go as it was decoded (a long intro's music: three 12 s pieces of a tune, called
 Romanian at 0.36-0.45, had voted the English talk after them Romanian). After `MAX_PROBES`
 unsure probes, or at the end of the file, the language with the most probability summed over
-them all wins (faster-whisper's vote over `language_detection_segments`), and the probes still
-waiting that were detected as another language are decoded again in it.
+those still waiting wins (faster-whisper's vote over `language_detection_segments`; the ones
+let go, an intro's most likely, have no say), and those detected as another language are
+decoded again in it.
 
 A held piece waits one batch per probe before it: that piece is already in the batcher, and the
 main loop runs a batch whenever the batcher holds one. That relies on a file's pieces arriving
@@ -41,7 +42,8 @@ SURE = 0.8
 MAX_UNSURE = 3  # unsure probes held at once (each keeps its slot until the language is known)
 # Unsure probes before the vote: a file's first 8 pieces (2-4 min of a podcast's music and
 # jingles, pieces being cut at pauses into 20-30 s) may pass the choice on; a file the model is
-# never sure of (a language it knows little) is decided by them, the first 5 as they came.
+# never sure of (a language it knows little) is decided by the last 3 of them, the first 5
+# standing as they came.
 MAX_PROBES = 8
 
 # What a decoded piece leads to: results that are final now (store them; their slots go back)
@@ -56,7 +58,6 @@ class _Deciding:
     expected: int | None = None  # the file's piece count, once its worker has cut it all
     held: dict[int, Piece] = field(default_factory=dict)  # index -> piece waiting for the language
     unsure: dict[int, tuple[Piece, Result]] = field(default_factory=dict)  # probes awaiting the vote
-    votes: dict[str, float] = field(default_factory=dict)  # language -> probability summed over unsure probes
     n_unsure: int = 0  # unsure probes so far, those let go included
 
 
@@ -91,10 +92,9 @@ class FileLanguages:
             if sure:
                 return self._decide(st, result.language, [(piece, result)])
             st.unsure[piece.index] = (piece, result)
-            st.votes[result.language] = st.votes.get(result.language, 0.0) + (result.language_probability or 0.0)
             st.n_unsure += 1
             if st.n_unsure >= MAX_PROBES:
-                return self._decide(st, _vote(st.votes), [])
+                return self._decide(st, _vote(st.unsure.values()), [])
             final: list[tuple[Piece, Result]] = []
             if len(st.unsure) >= MAX_UNSURE:  # the oldest stands as decoded, its slot back
                 final.append(st.unsure.pop(min(st.unsure)))
@@ -126,7 +126,7 @@ class FileLanguages:
         """No piece is left to probe: the vote of the unsure ones, if any."""
         if not st.unsure:
             return final, []  # no piece said anything, or none waits any more
-        return self._decide(st, _vote(st.votes), final)
+        return self._decide(st, _vote(st.unsure.values()), final)
 
     def _decide(self, st: _Deciding, language: str, final: list[tuple[Piece, Result]]) -> Outcome:
         st.language = language
@@ -136,6 +136,9 @@ class FileLanguages:
         return final, sorted(again + list(held.values()), key=lambda p: p.index)
 
 
-def _vote(votes: dict[str, float]) -> str:
+def _vote(unsure) -> str:
     """The language with the most probability summed over the unsure probes (ties: the first's)."""
-    return max(votes, key=votes.__getitem__)
+    score: dict[str, float] = {}
+    for _, r in unsure:
+        score[r.language] = score.get(r.language, 0.0) + (r.language_probability or 0.0)
+    return max(score, key=score.__getitem__)
