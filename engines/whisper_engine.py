@@ -73,7 +73,8 @@ SILENCE_LOG_MEL = -0.6
 # those of the 223 short files but for one tail, "What was the..." for the missing "woe to
 # thee" (WER 11.72 -> 11.74 %: the normaliser keeps the ellipsis's "." as a word).
 TAIL_SECONDS = 1.0
-# Digital silence (exact zeros: a muted start, the padding of edited or synthetic audio) at the
+# Digital silence (exact zeros: a muted start, the padding of edited or synthetic audio; or
+# anything under the log-mel floor, 80 dB below the piece's loudest, which looks the same) at the
 # start of a piece reads to the model as the zero padding after a window's audio: with 3 s or
 # more of it before a sentence, 4 s of zeros and another sentence, base began its text with the
 # second sentence (its first timestamp allowed, <= 1 s, then the text of 9.7 s), and the first
