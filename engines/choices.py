@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from enum import Enum
 
+
+class DeviceError(ValueError):
+    """An option this machine's device cannot run (a CUDA-only encoder backend or dtype on the
+    CPU, bf16 on a CPU without it in hardware): said as it is, not as a model that cannot load."""
+
 ENCODER_BACKENDS = ("auto", "torch", "compile", "cuda-graphs", "tensorrt")
 # Encoder backends of chunked streaming (`transcribe serve`): its windows are short and their
 # shapes few, so TensorRT's engine build and torch.compile's are not offered there.

@@ -16,7 +16,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from engines.choices import DEFAULT_BATCH_SECONDS, DEFAULT_MAX_BATCH, ENCODER_BACKENDS
+from engines.choices import DEFAULT_BATCH_SECONDS, DEFAULT_MAX_BATCH, ENCODER_BACKENDS, DeviceError
 
 # Length edges (s) of the batch buckets. Steps of about 1.25x keep padding within a batch small;
 # the last edge is the longest piece the pipeline cuts (DEFAULT_MAX_PIECE_SECONDS).
@@ -281,7 +281,7 @@ def resolve_backend(name: str, device: str) -> str:
     if name == "auto":
         return "cuda-graphs" if cuda else "torch"
     if name in ("cuda-graphs", "tensorrt") and not cuda:
-        raise ValueError(f"encoder backend {name!r} needs a CUDA device, got device {device!r}")
+        raise DeviceError(f"encoder backend {name!r} needs a CUDA device, got device {device!r}")
     return name
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.choices import DTYPE_ALIASES, DTYPE_CHOICES, DTYPE_NAMES
+from engines.choices import DTYPE_ALIASES, DTYPE_CHOICES, DTYPE_NAMES, DeviceError
 from engines.fast_linear import onednn_linear_available
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -29,14 +29,14 @@ def check_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
             return
         why = ("this CPU has no bf16 in hardware (AVX512_BF16 / AMX / Arm BF16) for oneDNN" if dtype == torch.bfloat16
                else "the CPU encoder computes in float32 or bfloat16 only")
-        raise ValueError(f"encoder dtype {name} is not supported on device {device}: {why}; use float32")
+        raise DeviceError(f"encoder dtype {name} is not supported on device {device}: {why}; use float32")
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if dtype == torch.bfloat16 and major < 8:
-            raise ValueError(f"encoder dtype {name} is not supported on device {device} (compute capability "
+            raise DeviceError(f"encoder dtype {name} is not supported on device {device} (compute capability "
                              f"{major}.{minor}; bf16 needs 8.0 or newer): use float16 or float32")
         return
-    raise ValueError(f"encoder dtype {name} is not supported on device {device} (only float32 is)")
+    raise DeviceError(f"encoder dtype {name} is not supported on device {device} (only float32 is)")
 
 
 def check_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> None:

@@ -238,8 +238,8 @@ def test_loader_passes_the_dtype_to_whisper():
 @needs_shared
 @pytest.mark.parametrize("model, dtype, code, message", [
     ("tdt_tiny", "bogus", 2, "--dtype 'bogus': expected one of auto, float32"),
-    ("tdt_tiny", "float16", 1, "cannot load model: encoder dtype float16 is not supported on device cpu"),
-    ("whisper-base", "float16", 1, "cannot load model: encoder dtype float16 is not supported on device cpu"),
+    ("tdt_tiny", "float16", 1, "cannot run on this device: encoder dtype float16 is not supported on device cpu"),
+    ("whisper-base", "float16", 1, "cannot run on this device: encoder dtype float16 is not supported on device cpu"),
 ])
 def test_cli_dtype_errors(model, dtype, code, message, tmp_path):
     import os
