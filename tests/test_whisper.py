@@ -221,19 +221,25 @@ def test_a_window_whose_text_stops_short_is_decoded_on_from_where_it_stopped():
     assert texts[False] == texts[True] and texts[True].lower().endswith("you thought me so silly.")
 
 
+def _misc(utterance: str) -> np.ndarray:
+    """A LibriSpeech utterance of the shared librispeech_misc folder, as float32 at 16 kHz."""
+    import soundfile as sf
+
+    from conftest import SPEECH
+
+    return sf.read(SPEECH / "librispeech_misc" / f"{utterance}.flac", dtype="float32")[0]
+
+
 def test_a_last_sentence_after_a_pause_is_decoded_from_a_short_tail():
     """22.1 s of speech, 3 s of pause, then "He could wait no longer." (2.1 s): base closes its
     last segment at 25.72 s, over the pause and into that sentence, and the 1.47 s left were
     under the 1.5 s a tail had to be: the sentence was lost. Tails from 1 s are decoded now,
     those under 1.5 s kept when clearly speech (no-speech 0.02 here)."""
-    import soundfile as sf
-
-    from conftest import SPEECH, bundled_whisper_fp32
+    from conftest import bundled_whisper_fp32
 
     engine = bundled_whisper_fp32(4)
-    read = lambda name: sf.read(SPEECH / "librispeech_misc" / name, dtype="float32")[0]  # noqa: E731
-    audio = np.concatenate([read("2412-153948-0000.flac"), read("1089-134686-0000.flac"),
-                            np.zeros(3 * 16000, np.float32), read("1089-134691-0000.flac")])
+    audio = np.concatenate([_misc("2412-153948-0000"), _misc("1089-134686-0000"),
+                            np.zeros(3 * 16000, np.float32), _misc("1089-134691-0000")])
     text = engine.transcribe_features([torch.from_numpy(engine.frontend(audio))])[0].text
     assert text.endswith("sauce. He could wait no longer."), text
 
@@ -242,16 +248,13 @@ def test_a_sentence_after_seconds_of_digital_silence_is_transcribed_at_its_time(
     """5 s of exact zeros, a sentence, 4 s of zeros, a sentence: base began its text with the
     second sentence and the first was lost. The leading zeros but 1 s are cut before decoding
     and the times moved back; a noise floor, or 1 s of zeros, is left as it is."""
-    import soundfile as sf
-
-    from conftest import SPEECH, bundled_whisper_fp32
+    from conftest import bundled_whisper_fp32
     from engines.whisper_engine import _digital_silence_lead
 
     engine = bundled_whisper_fp32(4)
-    read = lambda name: sf.read(SPEECH / "librispeech_misc" / name, dtype="float32")[0]  # noqa: E731
     zeros = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
-    first = read("1089-134686-0001.flac")
-    audio = np.concatenate([zeros(5), first, zeros(4), read("61-70968-0000.flac")])
+    first = _misc("1089-134686-0001")
+    audio = np.concatenate([zeros(5), first, zeros(4), _misc("61-70968-0000")])
     engine.word_timestamps = True
     out = engine.transcribe_features([torch.from_numpy(engine.frontend(audio))])[0]
     assert out.text.startswith("Stuff it into you, his belly counsel"), out.text

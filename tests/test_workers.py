@@ -107,22 +107,31 @@ def test_pool_preprocesses_files_and_fails_crashes_hangs_and_errors_alone(tmp_pa
     assert not _children_alive(first + later)
 
 
+def _damaged_mp3(path: Path) -> Path:
+    """A 3 s MP3 with ~1 kB of junk in its middle: libmpg123 resyncs past it, writing "Note:
+    Illegal Audio-MPEG-Header ..." to stderr, and warns of its Xing header (> 1 % off; under
+    8 kB, so not taken for MP3s joined end to end)."""
+    sf.write(path, (np.random.default_rng(3).uniform(-0.3, 0.3, 3 * SR)).astype(np.float32), SR, format="MP3")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:len(whole) // 2] + bytes(range(7, 200)) * 5 + whole[len(whole) // 2:])
+    return path
+
+
+def _one_worker(fe, files: list[Path]) -> dict:
+    """`files` through a pool of one worker: {fid: its done/error event}."""
+    with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
+        for fid, p in enumerate(files):
+            pool.submit(fid, str(p))
+        return _collect(pool, len(files), slab)[1]
+
+
 def test_what_the_decoder_says_on_stderr_names_the_file(tmp_path, capfd):
     """libmpg123 writes "Note: Illegal Audio-MPEG-Header ..." of a damaged MP3 straight to
     stderr, naming no file. Each such line now comes out as `PATH: Note: ...` from the worker
     that read the file; a good file read by the same workers adds nothing."""
-    sf.write(tmp_path / "a.mp3", (np.random.default_rng(3).uniform(-0.3, 0.3, 3 * SR)).astype(np.float32),
-             SR, format="MP3")
-    whole = (tmp_path / "a.mp3").read_bytes()
-    junk = bytes(range(7, 200)) * 5  # > 1 % of the file (mpg123 warns of its Xing header too)
-    (tmp_path / "junk in.mp3").write_bytes(whole[:len(whole) // 2] + junk + whole[len(whole) // 2:])
-    files = [_wav(tmp_path / "g0.wav", 16_000), tmp_path / "junk in.mp3", _wav(tmp_path / "g1.wav", 20_000)]
-    fe = ToyFrontend()
+    files = [_wav(tmp_path / "g0.wav", 16_000), _damaged_mp3(tmp_path / "junk in.mp3"), _wav(tmp_path / "g1.wav", 20_000)]
     capfd.readouterr()
-    with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
-        for fid, p in enumerate(files):
-            pool.submit(fid, str(p))
-        _, ends = _collect(pool, len(files), slab)
+    ends = _one_worker(ToyFrontend(), files)
     assert [ends[i][0] for i in range(3)] == ["done"] * 3
     lines = capfd.readouterr().err.splitlines()
     assert any("Illegal Audio-MPEG-Header" in line for line in lines), lines
@@ -143,12 +152,8 @@ def test_what_a_worker_said_before_it_died_is_named_by_the_pool(tmp_path, capfd)
     """Lines still in a worker's stderr file when it dies (an assert's message, then SIGABRT)
     died with it; the pool reads them from the same memory file and names the file."""
     files = [_wav(tmp_path / "dies.wav", CRASH_LEN), _wav(tmp_path / "g.wav", 16_000)]
-    fe = SaysThenDies()
     capfd.readouterr()
-    with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
-        for fid, p in enumerate(files):
-            pool.submit(fid, str(p))
-        _, ends = _collect(pool, len(files), slab)
+    ends = _one_worker(SaysThenDies(), files)
     assert ends[0][0] == "error" and "killed by SIGKILL" in ends[0][2] and ends[1][0] == "done"
     err = capfd.readouterr().err
     assert f"{files[0]}: decoder.c:42: frame_decode: Assertion `n < 1152' failed.\n" in err, err
@@ -157,20 +162,14 @@ def test_what_a_worker_said_before_it_died_is_named_by_the_pool(tmp_path, capfd)
 def test_a_stderr_that_takes_nothing_fails_no_file(tmp_path):
     """Workers whose stderr is a pipe nobody reads any more (`2>&1 | head` ended): the decoder's
     lines are lost, as its own fprintf's were, and the damaged MP3 is still transcribed."""
-    sf.write(tmp_path / "a.mp3", (np.random.default_rng(3).uniform(-0.3, 0.3, 3 * SR)).astype(np.float32),
-             SR, format="MP3")
-    whole = (tmp_path / "a.mp3").read_bytes()
-    (tmp_path / "junk.mp3").write_bytes(whole[:len(whole) // 2] + bytes(range(7, 200)) * 5 + whole[len(whole) // 2:])
-    fe = ToyFrontend()
+    damaged = _damaged_mp3(tmp_path / "junk.mp3")
     r, w = os.pipe()
     saved = os.dup(2)
     try:
         os.dup2(w, 2)  # the workers inherit this stderr at spawn
         os.close(r)
         os.close(w)
-        with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
-            pool.submit(0, str(tmp_path / "junk.mp3"))
-            _, ends = _collect(pool, 1, slab)
+        ends = _one_worker(ToyFrontend(), [damaged])
     finally:
         os.dup2(saved, 2)
         os.close(saved)
