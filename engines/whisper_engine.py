@@ -73,6 +73,9 @@ SILENCE_LOG_MEL = -0.6
 # those of the 223 short files but for one tail, "What was the..." for the missing "woe to
 # thee" (WER 11.72 -> 11.74 %: the normaliser keeps the ellipsis's "." as a word).
 TAIL_SECONDS = 1.0
+TAIL_NO_SPEECH = 0.5
+SHORT_TAIL_SECONDS, SHORT_TAIL_NO_SPEECH, SHORT_TAIL_LOGPROB = 1.5, 0.2, -1.0
+CONTINUATIONS = 2
 # Digital silence (exact zeros: a muted start, the padding of edited or synthetic audio; or
 # anything under the log-mel floor, 80 dB below the piece's loudest, which looks the same) at the
 # start of a piece reads to the model as the zero padding after a window's audio: with 3 s or
@@ -82,9 +85,6 @@ TAIL_SECONDS = 1.0
 # last LEAD_KEEP_FRAMES of such frames (mel 10 ms frames at the log-mel floor in every band)
 # are cut, and the piece's times moved by what was cut.
 LEAD_KEEP_FRAMES = 100
-TAIL_NO_SPEECH = 0.5
-SHORT_TAIL_SECONDS, SHORT_TAIL_NO_SPEECH, SHORT_TAIL_LOGPROB = 1.5, 0.2, -1.0
-CONTINUATIONS = 2
 
 
 def compute_dtypes(dtype: str, device: str) -> tuple[torch.dtype, torch.dtype]:
