@@ -110,16 +110,19 @@ def test_bad_clients_get_clear_errors_and_server_stays_up(model, files):
                       [b'{"type": "hello", "stream_id": "h", "sample_rate": ' + b"9" * 5000 + b"}\n"],
                       [_hello("i"), b'{"type": "audio", "data": "", "n": ' + b"9" * 5000 + b"}\n"],
                       [b'{"type": "hello", "stream_id": "j\\ud800", "sample_rate": 16000}\n'],
-                      [b'{"type": "hello", "stream_id": "k\\nl", "sample_rate": 16000}\n']):
+                      [b'{"type": "hello", "stream_id": "k\\nl", "sample_rate": 16000}\n'],
+                      # interleaved stereo would be read as mono twice as long
+                      [P.encode({"type": "hello", "stream_id": "m", "sample_rate": 16000, "channels": 2})]):
             msgs = await _raw(host, port, lines)
             codes.append(msgs[-1].get("code"))
         good = await stream_audio(host, port, "good", audio, realtime=False)
-        return codes, good
+        return codes, good, msgs[-1]
 
-    codes, good = _run(model, ServerConfig(port=0, max_streams=2), scenario)
+    codes, good, stereo = _run(model, ServerConfig(port=0, max_streams=2), scenario)
+    assert "mono" in stereo["message"], stereo
     assert codes == ["bad_message", "bad_message", "sample_rate", "bad_message", "bad_audio", "bad_audio",
                      "bad_message", "bad_message", "bad_message", "bad_message", "bad_message",
-                     "bad_message", "bad_message", "bad_message", "bad_message"]
+                     "bad_message", "bad_message", "bad_message", "bad_message", "bad_message"]
     assert good.final["text"] == files[2]["offline_text"]
 
 

@@ -120,3 +120,36 @@ def test_a_client_the_server_stops_reading_cannot_park_its_uploads_in_websockets
 
     taken = _run(model, ServerConfig(port=0, ws_port=0, max_streams=1, idle_timeout_s=30.0), scenario)
     assert 1 <= taken <= 10, taken  # 6 on the dev VM; 20 with websockets' default queue
+
+
+def test_ws_frames_left_unread_do_not_hold_up_the_close(model, files):
+    """websockets stops reading past its 2-frame queue: frames the handler never read (audio
+    sent before a "busy" came back, or after "end") hid the client's close frame, and the
+    server's close waited out websockets' 10 s timeout (a stop took 10.6 s). Unread frames are
+    dropped while the connection closes, which now takes well under a second."""
+    pcm = P.encode_pcm(files[2]["samples"][:1600])  # 0.1 s
+
+    async def closed_after(url, frames) -> tuple[list[dict], float]:
+        async with connect(url) as ws:
+            for frame in frames:
+                await ws.send(frame)
+            msgs, t0 = [], asyncio.get_running_loop().time()
+            async for m in ws:  # until the server's close frame
+                msgs.append(json.loads(m))
+            return msgs, asyncio.get_running_loop().time() - t0
+
+    async def scenario(server, url, tcp):
+        reader, holder = await asyncio.open_connection(*tcp)  # holds the one slot
+        holder.write(P.encode({"type": "hello", "stream_id": "holder", "sample_rate": 16000}))
+        await holder.drain()
+        await reader.readline()
+        busy = await closed_after(url, [_hello("busy")] + [pcm] * 5)
+        holder.transport.abort()
+        await asyncio.sleep(0.2)  # the holder's slot is freed
+        after_end = await closed_after(url, [_hello("late"), pcm, P.encode({"type": "end"}).decode()] + [pcm] * 5)
+        return busy, after_end
+
+    (busy, t_busy), (after_end, t_end) = _run(
+        model, ServerConfig(port=0, ws_port=0, max_streams=1, max_waiting=0), scenario)
+    assert busy[-1]["code"] == "busy" and t_busy < 3.0, (busy, t_busy)
+    assert after_end[-1]["type"] == "final" and t_end < 3.0, (after_end, t_end)

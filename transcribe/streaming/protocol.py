@@ -113,6 +113,8 @@ def parse_hello(msg: dict[str, Any], expected_rate: int) -> Hello:
         raise ProtocolError("bad_message", "hello needs an integer sample_rate")
     if rate != expected_rate:
         raise ProtocolError("sample_rate", f"sample_rate {rate} is not supported: send {expected_rate} Hz mono")
+    if msg.get("channels", 1) != 1:  # interleaved stereo read as mono would be twice as long, and garbled
+        raise ProtocolError("bad_message", "audio must be mono (channels 1): mix the channels down before sending")
     if not isinstance(fmt, str) or fmt not in FORMATS:  # a list or object is unhashable: no `in` on it
         raise ProtocolError("bad_message", f"format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
     return Hello(sid, rate, fmt)

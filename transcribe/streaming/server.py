@@ -152,8 +152,21 @@ class _WsTransport:
         self.ws.transport.abort()
 
     async def close(self, going_away: bool) -> None:
-        # 1001 tells a client the server is going away (reconnect elsewhere), not that it erred
-        await self.ws.close(1001 if going_away else 1000)
+        # 1001 tells a client the server is going away (reconnect elsewhere), not that it erred.
+        # Frames the client sent that the handler never read (audio after "end", or sent before
+        # a "busy" or "shutdown") stay queued, and websockets stops reading the socket past
+        # WS_QUEUE_FRAMES: the client's close frame behind them went unseen, and close() waited
+        # out its 10 s timeout (a stop took 10.6 s). They are read and dropped while it closes.
+        closing = asyncio.ensure_future(self.ws.close(1001 if going_away else 1000))
+        try:
+            async for _ in self.ws:  # ends when the connection does (handshake done, or timed out)
+                pass
+        except self._closed:
+            pass
+        except asyncio.CancelledError:  # a stop's handlers still running after 5 s
+            closing.cancel()
+            raise
+        await closing
 
 
 class _Ended(Exception):
