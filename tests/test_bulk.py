@@ -673,6 +673,32 @@ def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code, force):
     _assert_clean(out, pids)
 
 
+def test_a_run_stopped_while_redoing_files_for_another_format_keeps_the_rest_done(tmp_path):
+    """A run redoing done files (`-f srt` after txt, or another --model by mistake) dropped all
+    their lines before it began: stopped after a few files, it left the others with none, and
+    the next txt run redid them all, their transcripts intact (209 of 400 lines left). Old lines
+    now go only when the run ends, and a new line is the one that counts."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, N_JOB)
+    args = [str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10"]
+    p = _cli(*args, "--format", "txt")
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0, stderr
+    p = _cli(*args, "--format", "srt")
+    _wait_lines(p, out, N_JOB + 2)  # its first lines, after the txt run's
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr
+    rows = _rows(out)
+    assert sorted(Path(r["audio_filepath"]).name for r in rows) == [f"f{i:02d}.flac" for i in range(N_JOB)]
+    with_srt = [r for r in rows if any(o.endswith(".srt") for o in r["outputs"])]
+    assert 2 <= len(with_srt) < N_JOB and all(any(o.endswith(".txt") for o in r["outputs"]) for r in rows)
+    p = _cli(*args, "--format", "txt")
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0 and "every file is done already" in stderr, stderr
+    _assert_clean(out)
+
+
 _SECOND_SIGINT = """
 import os, signal, sys, time
 import typer

@@ -198,3 +198,27 @@ def test_an_out_whose_log_cannot_be_appended_to_fails_before_the_model_loads(tmp
     assert exit_.value.exit_code == 1
     assert f"{log} cannot be written (Permission denied)" in capsys.readouterr().err
     assert json.loads(log.read_text())["audio_filepath"] == "/a.wav"
+
+
+def test_a_files_last_line_counts_and_the_end_of_a_run_drops_the_ones_before(tmp_path):
+    """A run keeps a redone file's old line until it ends (stopped first, the file stays done by
+    it); a kill leaves both. The last line is the file's: an earlier one by another model, whose
+    outputs the later run wrote over, must not make it done for that model."""
+    from transcribe.merging import merged_records
+    from transcribe.resume import drop_replaced
+
+    audio, out, ident, line = _inputs(tmp_path, ("a", "b"))
+    log = out / "results.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in (
+        line("a", model="m", outputs=["a.txt"]), line("b", outputs=["b.txt"]),
+        line("a", model="n", outputs=["a.txt"]))))  # a redone by model n, a kill before the run's end
+    files = [InputFile(p, Path(p.name)) for p in audio.values()]
+    txt = lambda f: [Path(f.path.stem + ".txt")]
+    for model, todo in (("m", ["a"]), ("n", ["b"])):
+        plan = plan_resume(files, log, False, ident, model=model, outputs=txt)
+        assert [f.path.stem for f in plan.todo] == todo, model
+    assert [r["model"] for r in merged_records([out], tmp_path / "merged")] == ["m", "n"]  # b's, then a's last
+    assert len(log.read_text().splitlines()) == 3  # planning writes nothing
+    drop_replaced(log)
+    assert [(Path(r["audio_filepath"]).stem, r["model"]) for r in map(json.loads, log.read_text().splitlines())] == [
+        ("b", "m"), ("a", "n")]

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from transcribe.inputs import record_key
+from transcribe.resume import latest
 from transcribe.writers import read_results
 
 
@@ -26,7 +27,7 @@ def merged_records(log_dirs: list[Path], out: Path) -> list[dict]:
     dst = out.resolve()
     for d in log_dirs:
         src = d.resolve()
-        for r in read_results(d / "results.jsonl"):
+        for r in latest(read_results(d / "results.jsonl")):  # a shard stopped mid-run may hold a file twice
             key = str(record_key(r))
             old = merged.get(key)
             if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):

@@ -37,7 +37,7 @@ from transcribe.file_language import FileLanguages
 from transcribe.inputs import InputFile, output_stems
 from transcribe.output_writer import OutputWriter
 from transcribe.results import Result
-from transcribe.resume import file_identity, out_dir_lock, outputs_of, plan_resume, sweep_leftovers
+from transcribe.resume import drop_replaced, file_identity, out_dir_lock, outputs_of, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
 from transcribe.signals import Interrupted, signals_raise, stop_if_signalled
 from transcribe.stitching import stitch
@@ -109,6 +109,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
                     job = _Job(engine, todo, stems, identities, kept, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
+            drop_replaced(out_dir / "results.jsonl")  # the old lines of the files redone
             bar.close()
             for k, v in engine.stage_seconds.items():
                 stats.stage_seconds[k] += v

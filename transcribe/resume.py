@@ -2,10 +2,12 @@
 
 A file is done when results.jsonl has an ok line for its path with the same size and
 modification time, by the same model and settings, and its outputs exist (`plan_resume`); a
-rerun skips it and redoes everything else (failed or changed files), after dropping their old
-lines so each file ends with exactly one. A file redone only for a format its line lacks keeps
-the formats it had on its new line (`ResumePlan.kept`). One run at a time holds
-a folder (`out_dir_lock`).
+rerun skips it and redoes everything else (failed or changed files). A redone file's new line
+is appended beside its old one, and the old lines go when the run ends (`drop_replaced`), so
+each file ends with exactly one; a run stopped before its end (a kill, a crash) leaves both,
+and the last line of a file is the one that counts (`latest`). A file redone only for a format
+its line lacks keeps the formats it had on its new line (`ResumePlan.kept`). One run at a time
+holds a folder (`out_dir_lock`).
 """
 from __future__ import annotations
 
@@ -113,6 +115,32 @@ def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFi
     return lambda f: list(output_paths(stems[f.key], formats).values())
 
 
+def latest(records: list[dict]) -> list[dict]:
+    """One line per file (a segment of a file is its own): its last, where it stands in the log.
+    Dropping a redone file's old lines before its new one was written lost them for good when the
+    run stopped first: `-f srt` stopped after 2 s of a 400-file folder done in txt left 209 lines,
+    and the next txt run redid the other 191 (their transcripts intact, by the same model)."""
+    last: dict = {}
+    for r in records:
+        key = record_key(r)
+        last.pop(key, None)  # in the order they were written: the last line naming an output owns it
+        last[key] = r
+    return list(last.values())
+
+
+def drop_replaced(log_path: Path) -> None:
+    """Rewrite the log with one line per file (`latest`) if a redone file has more. At the end of
+    a run, stopped or not; a log that cannot be rewritten (a full disk) keeps the old lines too,
+    which every reader passes over and the next run drops."""
+    try:
+        records = read_results(log_path, notes=False)
+        lines = latest(records)
+        if len(lines) != len(records):
+            atomic_write_text(log_path, "".join(results_line(r) for r in lines))
+    except OSError:
+        pass
+
+
 def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities: dict[Path, dict],
                 model: str | None = None, settings: dict[str, str] | None = None,
                 outputs: Callable[[InputFile], list[Path]] = lambda f: [],
@@ -125,18 +153,16 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     line's own `outputs`, so a rerun with `--format srt` after a txt-only run writes the
     subtitles, a deleted transcript is made again, and a json left by an earlier
     transcription, or by another file that had the name before, is not taken for this one's,
-    nor is one that a later line lists, whose file wrote over it) and rewrite the log without the lines of files about to be redone, so every file ends
-    with one line. A line from before `outputs` were logged vouches for any that exist.
+    nor is one that a later line lists, whose file wrote over it). The lines of files about to be
+    redone stay until the run ends (`drop_replaced`). A line from before `outputs` were logged
+    vouches for any that exist.
     `names`: every output the file's name has this run (all formats): only those can be `kept`
     (a name another file had in an earlier run, before two files' names clashed, is not)."""
-    records = read_results(log_path)
+    records = latest(read_results(log_path))
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
     done, kept = (set(), {}) if force else _done(records, keys, by_key, log_path.parent, identities, model,
                                                  settings, outputs, names)
-    keep = [r for r, key in zip(records, keys) if key not in by_key or key in done]
-    if len(keep) != len(records):
-        atomic_write_text(log_path, "".join(results_line(r) for r in keep))
     todo = [f for f in files if f.key not in done]
     return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done})
 
@@ -177,7 +203,7 @@ def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: s
     log_path = out_dir / "results.jsonl"
     if not log_path.is_file() or writer_of(out_dir) is not None:
         return False
-    records = read_results(log_path, notes=False)
+    records = latest(read_results(log_path, notes=False))
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
     if not by_key.keys() <= set(keys):  # a new file (cron's usual case): said before the names,
