@@ -222,3 +222,16 @@ def test_a_files_last_line_counts_and_the_end_of_a_run_drops_the_ones_before(tmp
     drop_replaced(log)
     assert [(Path(r["audio_filepath"]).stem, r["model"]) for r in map(json.loads, log.read_text().splitlines())] == [
         ("b", "m"), ("a", "n")]
+
+
+def test_outputs_that_are_not_a_list_of_paths_vouch_for_nothing(tmp_path):
+    """A hand-edited `"outputs": 5` made every later run of the folder a TypeError before the
+    model loaded; a string was searched for substrings ("a.txt" in "xa.txt.bak")."""
+    audio, out, ident, line = _inputs(tmp_path, ("five", "text", "mixed"))
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        line("five", outputs=5), line("text", outputs="xtext.txt.bak"), line("mixed", outputs=[7, "mixed.txt"]))))
+    files = [InputFile(p, Path(p.name)) for p in audio.values()]
+    txt = lambda f: [Path(f.path.stem + ".txt")]
+    plan = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=txt, names=txt)
+    assert [f.path.stem for f in plan.todo] == ["five", "text"] and plan.skipped == 1
+    assert not all_done(files, out, ["txt"], "m", {})

@@ -175,8 +175,7 @@ def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identiti
     # Each output to the last line that lists it: a later run that gave its name to another file
     # (an `a.wav` of another input folder, into the same --out) wrote over it, so the earlier
     # line's file is done again rather than vouched for by the other file's transcript.
-    owner = {p: key for r, key in zip(records, keys) if isinstance(r.get("outputs"), list)
-             for p in r["outputs"] if isinstance(p, str)}
+    owner = {p: key for r, key in zip(records, keys) for p in _listed(r)}
     done, kept = set(), {}
     for r, key in zip(records, keys):
         if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
@@ -190,7 +189,7 @@ def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identiti
                 done.add(key)
                 continue
             ours, named = {p.as_posix() for p in wanted}, {p.as_posix() for p in names(f)}
-            kept[key] = [p for p in r.get("outputs") or () if p not in ours and p in named
+            kept[key] = [p for p in _listed(r) if p not in ours and p in named
                          and owner.get(p) == key and (out_dir / p).exists()]
     return done, kept
 
@@ -217,8 +216,15 @@ def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: s
 
 def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:
     """Every one of `outputs` exists and, where the line lists its outputs, is one of them."""
-    listed = record.get("outputs")
+    listed = None if record.get("outputs") is None else _listed(record)
     return all((out_dir / p).exists() and (listed is None or p.as_posix() in listed) for p in outputs)
+
+
+def _listed(record: dict) -> list[str]:
+    """A line's `outputs` that are paths; none when it is not a list (a hand-edited `5` made
+    every later run of the folder a TypeError, a string was searched for substrings)."""
+    outputs = record.get("outputs")
+    return [p for p in outputs if isinstance(p, str)] if isinstance(outputs, list) else []
 
 
 def sweep_leftovers(out_dir: Path) -> None:
