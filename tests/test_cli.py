@@ -544,6 +544,31 @@ def test_merge_joins_shard_logs_preferring_ok_lines(tmp_path):
     assert run_cli("merge", "--out", str(tmp_path / "all")).returncode == 2
 
 
+def test_merge_onto_a_full_disk_says_so_and_leaves_the_log_there(tmp_path, monkeypatch):
+    """A merged log the disk cannot take was a traceback (exit 1 all the same)."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    import transcribe.writers
+    from transcribe.cli import sub_app
+
+    shard, out = tmp_path / "s1", tmp_path / "all"
+    for d in (shard, out):
+        d.mkdir()
+        (d / "results.jsonl").write_text(json.dumps({"audio_filepath": f"/a/{d.name}.wav", "duration": 1.0,
+                                                     "text": "", "status": "ok", "error": None, "model": "m"}) + "\n")
+    before = (out / "results.jsonl").read_text()
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transcribe.writers, "atomic_write_text", full)
+    done = CliRunner().invoke(sub_app, ["merge", str(shard), "--out", str(out)])
+    assert done.exit_code == 1 and not isinstance(done.exception, OSError), done.output
+    assert f"cannot write {out / 'results.jsonl'}: No space left on device" in done.output
+    assert (out / "results.jsonl").read_text() == before
+
 def test_merge_refuses_a_shard_that_is_still_being_written(tmp_path):
     """A shard run still going has logged only the files it has finished: merging it then
     would give a log without the rest and exit 0. It exits 1 naming the shard instead, and

@@ -184,7 +184,10 @@ def merge(
                 merged = merged_records([out, *shard_dirs] if kept else shard_dirs, out)
             except OSError as e:  # a log that cannot be read (permissions, an I/O error)
                 raise fail(f"cannot read {e.filename or 'a shard log'}: {e.strerror or e}", EXIT_NOTHING_RAN)
-            atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged))
+            try:
+                atomic_write_text(out / "results.jsonl", "".join(results_line(r) for r in merged))
+            except OSError as e:  # a full disk: the log there, if any, is as it was (atomic)
+                raise fail(f"cannot write {out / 'results.jsonl'}: {e.strerror or e}", EXIT_NOTHING_RAN)
     except OutputBusy as e:
         raise fail(f"{e}; wait for it to finish", EXIT_NOTHING_RAN)
     failed = sum(r.get("status") != "ok" for r in merged)
