@@ -795,3 +795,29 @@ def test_a_shard_log_that_cannot_be_read_is_named_not_a_traceback(tmp_path, monk
     err = capsys.readouterr().err
     assert f"cannot read {locked}: Permission denied" in err and "Traceback" not in err
     assert not (tmp_path / "all" / "results.jsonl").exists()
+
+
+@needs_shared
+def test_a_manifest_line_fixed_since_leaves_no_failure_behind(tmp_path):
+    """A broken manifest line fails under `MANIFEST:LINE`; once it was fixed (or deleted), no
+    input had that name again, so its error line stayed in the log for good and `merge` of
+    the folder exited 3 with every file transcribed."""
+    audio = sorted((SPEECH / "librispeech_misc").glob("*.flac"))[:2]
+    manifest = tmp_path / "m.jsonl"
+    good = [json.dumps({"audio_filepath": str(a)}) for a in audio]
+    manifest.write_text(f'{good[0]}\n{good[1][:-1]}\n')  # line 2 cut short
+    args = (str(manifest), "--model", str(Reference("tdt_tiny").nemo), "--out", str(tmp_path / "out"))
+    assert run_cli(*args).returncode == 3
+    rows = lambda: [json.loads(l) for l in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [r["audio_filepath"] for r in rows() if r["status"] == "error"] == [f"{manifest}:2"]
+    manifest.write_text("".join(line + "\n" for line in good))
+    p = run_cli(*args)
+    assert p.returncode == 0, p.stderr
+    assert sorted(r["audio_filepath"] for r in rows()) == sorted(map(str, audio))
+    assert run_cli("merge", str(tmp_path / "out"), "--out", str(tmp_path / "merged")).returncode == 0
+    manifest.write_text(f"{good[0]}\n{{\n")  # a line broken again, then deleted: nothing else to do
+    assert run_cli(*args).returncode == 3 and len(rows()) == 3
+    manifest.write_text(f"{good[0]}\n")
+    p = run_cli(*args)
+    assert p.returncode == 0 and "1 already done" in p.stderr, p.stderr
+    assert sorted((r["audio_filepath"], r["status"]) for r in rows()) == sorted((str(a), "ok") for a in audio)

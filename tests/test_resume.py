@@ -37,10 +37,10 @@ def test_a_line_vouches_for_the_outputs_it_names_and_old_lines_for_any_that_exis
         line("unnamed", outputs=["unnamed.txt"]))))  # its json is another run's
     files = [InputFile(p, Path(p.name)) for p in audio.values()]
     outputs = lambda f: [Path(f.path.stem + ".txt"), Path(f.path.stem + ".json")]
-    todo, done, _ = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=outputs)
+    todo, done, *_ = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=outputs)
     assert [f.path.stem for f in todo] == ["unnamed"] and done == 2
     (out / "named.json").unlink()  # named, but gone
-    todo, done, _ = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=outputs)
+    todo, done, *_ = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=outputs)
     assert sorted(f.path.stem for f in todo) == ["named", "unnamed"] and done == 1
 
 
@@ -87,7 +87,7 @@ def test_an_output_another_file_took_since_is_no_longer_the_first_files(tmp_path
     (out / "results.jsonl").write_text(log)
     names = lambda f: [Path("a" + e) for e in (".txt", ".json", ".srt", ".vtt")]
     for p in (a, b):
-        todo, done, _ = plan_resume([InputFile(p, Path("a.wav"))], out / "results.jsonl", False, ident, model="m",
+        todo, done, *_ = plan_resume([InputFile(p, Path("a.wav"))], out / "results.jsonl", False, ident, model="m",
                                     outputs=lambda f: [Path("a.txt")], names=names)
         assert (len(todo), done) == ((1, 0) if p == a else (0, 1)), p
         (out / "results.jsonl").write_text(log)

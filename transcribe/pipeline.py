@@ -94,7 +94,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         # the log, and what the log records. A file still growing or replaced while the run
         # reads it is logged as it was here, so the next run sees the change and does it again.
         identities = {f.path: file_identity(f.path) for f in files}
-        todo, stats.files_skipped, kept = plan_resume(
+        todo, stats.files_skipped, kept, stale = plan_resume(
             files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
             outputs=outputs_of(stems, formats), names=outputs_of(stems, list(WRITERS)))
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
@@ -109,7 +109,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
                     job = _Job(engine, todo, stems, identities, kept, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
-            drop_replaced(out_dir / "results.jsonl")  # the old lines of the files redone
+            drop_replaced(out_dir / "results.jsonl", stale)  # the old lines of the files redone
             bar.close()
             for k, v in engine.stage_seconds.items():
                 stats.stage_seconds[k] += v

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from transcribe.inputs import InputFile, output_stems, record_key
+from transcribe.inputs import MANIFEST_EXTENSIONS, InputFile, output_stems, record_key
 from transcribe.writers import TEMP_MARK, atomic_write_text, output_paths, read_results, results_line
 
 # writers.StagedWrites' temporary names only: a look-alike (`.notes.abcd1234.tmp`) is the user's.
@@ -107,6 +107,10 @@ class ResumePlan(NamedTuple):
     # its line still lists: they stay listed on the file's new line. Without this, a run with
     # `-f srt` after txt runs dropped txt from the lines and the next txt run redid every file.
     kept: dict[Path, list[str]]
+    # Lines of manifest lines this run read that name none of its inputs: the error a broken
+    # line left (`MANIFEST:LINE`), fixed or deleted since. Kept, the failure stayed in the log
+    # for good (and `merge` counted it). Dropped when the run ends (`drop_replaced`).
+    stale: frozenset[Path] = frozenset()
 
 
 def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFile], list[Path]]:
@@ -128,13 +132,14 @@ def latest(records: list[dict]) -> list[dict]:
     return list(last.values())
 
 
-def drop_replaced(log_path: Path) -> None:
-    """Rewrite the log with one line per file (`latest`) if a redone file has more. At the end of
-    a run, stopped or not; a log that cannot be rewritten (a full disk) keeps the old lines too,
-    which every reader passes over and the next run drops."""
+def drop_replaced(log_path: Path, stale: frozenset[Path] = frozenset()) -> None:
+    """Rewrite the log with one line per file (`latest`) if a redone file has more, and without
+    the `stale` lines (`ResumePlan.stale`). At the end of a run, stopped or not; a log that
+    cannot be rewritten (a full disk) keeps the old lines too, which every reader passes over
+    and the next run drops."""
     try:
         records = read_results(log_path, notes=False)
-        lines = latest(records)
+        lines = [r for r in latest(records) if record_key(r) not in stale]
         if len(lines) != len(records):
             atomic_write_text(log_path, "".join(results_line(r) for r in lines))
     except OSError:
@@ -164,7 +169,22 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     done, kept = (set(), {}) if force else _done(records, keys, by_key, log_path.parent, identities, model,
                                                  settings, outputs, names)
     todo = [f for f in files if f.key not in done]
-    return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done})
+    return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done},
+                      _stale(files, keys, by_key))
+
+
+def _stale(files: list[InputFile], keys: list[Path], by_key: dict) -> frozenset[Path]:
+    """`ResumePlan.stale`: the keys among the log's `keys` of lines of a manifest `files` came
+    from that name none of them."""
+    read = {_manifest_of(f.line or f.path) for f in files} - {None}
+    return frozenset(k for k in keys if k not in by_key and _manifest_of(k) in read)
+
+
+def _manifest_of(key: Path) -> str | None:
+    """`MANIFEST:LINE` (how `inputs.read_manifest` names a line) -> MANIFEST; None for any
+    other path."""
+    head, _, line = str(key).rpartition(":")
+    return head if line.isdigit() and Path(head).suffix.lower() in MANIFEST_EXTENSIONS else None
 
 
 def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identities: dict[Path, dict],
@@ -207,6 +227,8 @@ def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: s
     by_key = {f.key: f for f in files}
     if not by_key.keys() <= set(keys):  # a new file (cron's usual case): said before the names,
         return False  # which cost most here (20,000 files: 0.65 s of 1.1)
+    if _stale(files, keys, by_key):  # the run drops them
+        return False
     stems = output_stems(files)
     identities = {f.path: file_identity(f.path) for f in files}
     done, _ = _done(records, keys, by_key, out_dir, identities, model, settings, outputs_of(stems, formats),
