@@ -126,6 +126,7 @@ def test_staged_writes_appear_together_at_commit_and_fail_by_key(tmp_path, monke
     assert (tmp_path / "a.txt").read_text() == "old a\n" and not (tmp_path / "b.txt").exists()
     failed = w.commit()
     assert set(failed) == {"c"} and failed["c"].errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST)
+    assert failed["c"].filename == str(tmp_path / "c.txt")  # the output, not the temporary name
     assert (tmp_path / "a.txt").read_text() == "new a\n" and (tmp_path / "b.json").read_text() == "{}\n"
     assert not list(tmp_path.glob(".*.tmp"))
 
@@ -138,8 +139,9 @@ def test_staged_writes_appear_together_at_commit_and_fail_by_key(tmp_path, monke
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(writers.os, "fsync", full_disk)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OSError, match="No space") as stopped:
         w.commit()
+    assert stopped.value.filename == str(tmp_path / "a.txt")
     assert (tmp_path / "a.txt").read_text() == "new a\n" and not (tmp_path / "d.txt").exists()
     assert not list(tmp_path.glob(".*.tmp"))
 

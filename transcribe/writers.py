@@ -143,11 +143,17 @@ class StagedWrites:
         # The temporary name starts with at most 32 characters of the final one: the whole name
         # plus mkstemp's 14 would pass the 255-byte limit for a final name that fits it.
         # `TEMP_MARK` tells ours apart, so the startup sweep deletes no one else's temp file.
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.{TEMP_MARK}", suffix=".tmp", dir=path.parent)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.{TEMP_MARK}", suffix=".tmp", dir=path.parent)
+        except OSError as e:
+            raise _naming(e, path)
         try:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), FILE_MODE)
                 f.write(memoryview(data))
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            raise _naming(e, path)
         except BaseException:
             # Any failure (disk full, ^C, SIGTERM) removes the temporary file; the old one stays intact.
             Path(tmp).unlink(missing_ok=True)
@@ -164,15 +170,15 @@ class StagedWrites:
     def commit(self) -> dict[object, OSError]:
         failed: dict[object, OSError] = {}
         try:
-            for tmp, _, key in self._staged:
+            for tmp, path, key in self._staged:
                 if key not in failed:
-                    failed.update(_fsync_path(tmp, key))
+                    failed.update(_fsync_path(tmp, path, key))
             for tmp, path, key in self._staged:
                 if key not in failed:
                     try:
                         os.replace(tmp, path)
                     except OSError as e:
-                        failed[key] = e
+                        failed[key] = _naming(e, path)
         finally:
             # Whatever is left (a failed key's files; everything, if an error stopped it)
             # is removed: the old files stay intact.
@@ -185,7 +191,7 @@ class StagedWrites:
         return failed
 
 
-def _fsync_path(tmp: str, key: object) -> dict[object, OSError]:
+def _fsync_path(tmp: str, path: Path, key: object) -> dict[object, OSError]:
     try:
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -193,8 +199,15 @@ def _fsync_path(tmp: str, key: object) -> dict[object, OSError]:
         finally:
             os.close(fd)
     except OSError as e:
-        return {key: e}
+        return {key: _naming(e, path)}
     return {}
+
+
+def _naming(e: OSError, path: Path) -> OSError:
+    """`e` naming the output it was for: "Is a directory: OUT/a.txt", not the temporary
+    `.a.txt.transcribe-6o5pjpaj.tmp` the user never sees."""
+    e.filename, e.filename2 = str(path), None
+    return e
 
 
 def output_paths(out_stem: Path, formats: list[str]) -> dict[str, Path]:
