@@ -348,7 +348,12 @@ def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
         p = run_cli(*args, "--model", str(tmp_path / "no.nemo")) if args[0] != "merge" else run_cli(*args)
         assert p.returncode == 1, (args, p.stderr)
         assert str(blocker) in p.stderr and "cannot write there" in p.stderr and "Traceback" not in p.stderr
+        if args[-1] == str(blocker):  # mkdir says "File exists"
+            assert "(not a folder)" in p.stderr, p.stderr
     assert blocker.read_text() == "keep me"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    p = run_cli(audio, "--out", str(tmp_path / "dangling"), "--model", str(tmp_path / "no.nemo"))
+    assert p.returncode == 1 and "(a symlink to nothing)" in p.stderr, p.stderr
 
 
 @needs_shared

@@ -5,6 +5,7 @@ seconds of importing torch (nothing here imports it).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -65,7 +66,10 @@ def writable_folder(folder: Path, option: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise fail(f"{option} {folder}: cannot write there ({e.strerror or e})", EXIT_NOTHING_RAN)
+        reason = e.strerror or str(e)
+        if e.errno == errno.EEXIST:  # mkdir's word for it: "File exists"
+            reason = "a symlink to nothing" if folder.is_symlink() and not folder.exists() else "not a folder"
+        raise fail(f"{option} {folder}: cannot write there ({reason})", EXIT_NOTHING_RAN)
 
 
 def out_folder(folder: Path) -> None:
