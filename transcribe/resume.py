@@ -109,7 +109,9 @@ class ResumePlan(NamedTuple):
     kept: dict[Path, list[str]]
     # Lines of manifest lines this run read that name none of its inputs: the error a broken
     # line left (`MANIFEST:LINE`), fixed or deleted since. Kept, the failure stayed in the log
-    # for good (and `merge` counted it). Dropped when the run ends (`drop_replaced`).
+    # for good (and `merge` counted it). Dropped when the run ends (`drop_replaced`). Shards go
+    # to folders of their own (a broken line fails in the same shard each time): a shard run into
+    # another shard's folder would drop that shard's failed lines of the manifest too.
     stale: frozenset[Path] = frozenset()
 
 
