@@ -674,10 +674,11 @@ def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code, force):
 
 
 def test_a_run_stopped_while_redoing_files_for_another_format_keeps_the_rest_done(tmp_path):
-    """A run redoing done files (`-f srt` after txt, or another --model by mistake) dropped all
-    their lines before it began: stopped after a few files, it left the others with none, and
-    the next txt run redid them all, their transcripts intact (209 of 400 lines left). Old lines
-    now go only when the run ends, and a new line is the one that counts."""
+    """A run redoing done files for another format dropped all their lines before it began:
+    stopped after a few files, it left the others with none, and the next txt run redid them
+    all, their transcripts intact (209 of 400 lines left). Lines by the same model now go only
+    when the run ends, and a new line is the one that counts; --force's (and another model's)
+    still go first."""
     inp, out = tmp_path / "in", tmp_path / "out"
     _copies(inp, N_JOB)
     args = [str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10"]
@@ -696,6 +697,22 @@ def test_a_run_stopped_while_redoing_files_for_another_format_keeps_the_rest_don
     p = _cli(*args, "--format", "txt")
     _, stderr = p.communicate(timeout=600)
     assert p.returncode == 0 and "every file is done already" in stderr, stderr
+    # --force redoes every file: stopped, the rerun it advises redoes those it had not reached
+    before = (out / "results.jsonl").stat().st_ino
+    p = _cli(*args, "--format", "txt", "--force")
+    deadline = time.monotonic() + 240
+    while (out / "results.jsonl").stat().st_ino == before or len(_rows(out)) < 2:  # rewritten, then 2 lines
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    _, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130 and "run it again without --force to resume" in stderr, stderr
+    forced = len(_rows(out))
+    assert 2 <= forced < N_JOB
+    p = _cli(*args, "--format", "txt")
+    _, stderr = p.communicate(timeout=600)
+    assert p.returncode == 0 and f"{N_JOB - forced} files transcribed, 0 failed, {forced} already done" in stderr, stderr
+    assert len(_rows(out)) == N_JOB
     _assert_clean(out)
 
 

@@ -354,6 +354,8 @@ def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
     p = run_cli(audio, "--out", str(tmp_path / "dangling"), "--model", str(tmp_path / "no.nemo"))
     assert p.returncode == 1 and "(a symlink to nothing)" in p.stderr, p.stderr
+    p = run_cli(audio, "--out", str(tmp_path / "dangling" / "sub"), "--model", str(tmp_path / "no.nemo"))
+    assert p.returncode == 1 and f"({tmp_path / 'dangling'} is a symlink to nothing)" in p.stderr, p.stderr
 
 
 @needs_shared

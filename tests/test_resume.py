@@ -201,27 +201,48 @@ def test_an_out_whose_log_cannot_be_appended_to_fails_before_the_model_loads(tmp
 
 
 def test_a_files_last_line_counts_and_the_end_of_a_run_drops_the_ones_before(tmp_path):
-    """A run keeps a redone file's old line until it ends (stopped first, the file stays done by
-    it); a kill leaves both. The last line is the file's: an earlier one by another model, whose
-    outputs the later run wrote over, must not make it done for that model."""
+    """A run keeps a redone file's old line by the same model until it ends; a kill leaves both.
+    The last line is the file's: an earlier one by another model, whose outputs the later run
+    wrote over, must not make it done for that model."""
     from transcribe.merging import merged_records
     from transcribe.resume import drop_replaced
 
     audio, out, ident, line = _inputs(tmp_path, ("a", "b"))
     log = out / "results.jsonl"
-    log.write_text("".join(json.dumps(r) + "\n" for r in (
+    text = "".join(json.dumps(r) + "\n" for r in (
         line("a", model="m", outputs=["a.txt"]), line("b", outputs=["b.txt"]),
-        line("a", model="n", outputs=["a.txt"]))))  # a redone by model n, a kill before the run's end
-    files = [InputFile(p, Path(p.name)) for p in audio.values()]
-    txt = lambda f: [Path(f.path.stem + ".txt")]
-    for model, todo in (("m", ["a"]), ("n", ["b"])):
-        plan = plan_resume(files, log, False, ident, model=model, outputs=txt)
-        assert [f.path.stem for f in plan.todo] == todo, model
+        line("a", model="n", outputs=["a.txt"])))  # a redone by model n, a kill before the run's end
+    log.write_text(text)
     assert [r["model"] for r in merged_records([out], tmp_path / "merged")] == ["m", "n"]  # b's, then a's last
-    assert len(log.read_text().splitlines()) == 3  # planning writes nothing
     drop_replaced(log)
     assert [(Path(r["audio_filepath"]).stem, r["model"]) for r in map(json.loads, log.read_text().splitlines())] == [
         ("b", "m"), ("a", "n")]
+    files = [InputFile(p, Path(p.name)) for p in audio.values()]
+    txt = lambda f: [Path(f.path.stem + ".txt")]
+    for model, todo in (("m", ["a"]), ("n", ["b"])):
+        log.write_text(text)
+        plan = plan_resume(files, log, False, ident, model=model, outputs=txt)
+        assert [f.path.stem for f in plan.todo] == todo, model
+        assert not plan.tidy  # the redone file's line was another model's: gone already (below)
+
+
+def test_lines_that_would_vouch_for_rewritten_outputs_go_before_the_run_writes(tmp_path):
+    """Kept until the run's end, a line by another model (or any, with --force) vouched for the
+    outputs the run had rewritten when it stopped between writing them and logging their new
+    lines, and an interrupted --force run left every file it had not reached done. Those lines
+    go when the run is planned; a line by the same model (a file redone for a format its line
+    lacks) stays until its new line replaces it."""
+    audio, out, ident, line = _inputs(tmp_path, ("a", "b"))
+    log = out / "results.jsonl"
+    text = "".join(json.dumps(line(n, outputs=[f"{n}.txt"])) + "\n" for n in audio)
+    files = [InputFile(p, Path(p.name)) for p in audio.values()]
+    txt = lambda f: [Path(f.path.stem + ".txt")]
+    srt = lambda f: [Path(f.path.stem + ".txt"), Path(f.path.stem + ".srt")]
+    for force, model, outputs, left in ((True, "m", txt, ""), (False, "n", txt, ""), (False, "m", srt, text)):
+        log.write_text(text)
+        plan = plan_resume(files, log, force, ident, model=model, outputs=outputs)
+        assert len(plan.todo) == 2 and plan.tidy == bool(left), (force, model)
+        assert log.read_text() == left, (force, model)
 
 
 def test_outputs_that_are_not_a_list_of_paths_vouch_for_nothing(tmp_path):

@@ -8,7 +8,7 @@ import json
 
 from conftest import needs_shared
 from transcribe.streaming import protocol as P
-from transcribe.streaming.client import stream_audio, stream_audio_ws
+from transcribe.streaming.client import server_stats, stream_audio, stream_audio_ws
 from transcribe.streaming.server import ServerConfig
 
 import websockets  # noqa: E402,F401  (a dependency of the package: must import)
@@ -145,7 +145,8 @@ def test_ws_frames_left_unread_do_not_hold_up_the_close(model, files):
         await reader.readline()
         busy = await closed_after(url, [_hello("busy")] + [pcm] * 5)
         holder.transport.abort()
-        await asyncio.sleep(0.2)  # the holder's slot is freed
+        while (await server_stats(*tcp))["active"]:  # until the holder's slot is freed
+            await asyncio.sleep(0.05)
         after_end = await closed_after(url, [_hello("late"), pcm, P.encode({"type": "end"}).decode()] + [pcm] * 5)
         return busy, after_end
 
@@ -153,3 +154,34 @@ def test_ws_frames_left_unread_do_not_hold_up_the_close(model, files):
         model, ServerConfig(port=0, ws_port=0, max_streams=1, max_waiting=0), scenario)
     assert busy[-1]["code"] == "busy" and t_busy < 3.0, (busy, t_busy)
     assert after_end[-1]["type"] == "final" and t_end < 3.0, (after_end, t_end)
+
+
+def test_a_close_right_after_a_cancelled_read_does_not_raise():
+    """The close reads what the client still sends: a read cancelled just before (an idle
+    timeout's) and not yet over made websockets raise ConcurrencyError out of the close."""
+    from websockets.asyncio.server import serve
+
+    from transcribe.streaming.server import _WsTransport
+
+    async def main():
+        outcome = []
+
+        async def handler(ws):
+            t = _WsTransport(ws)
+            reading = asyncio.ensure_future(t.recv())
+            await asyncio.sleep(0.1)
+            reading.cancel()  # as `_unless_late` does; no await before the close
+            try:
+                await t.close(False)
+                outcome.append("closed")
+            except BaseException as e:  # noqa: BLE001 (what escaped is the finding)
+                outcome.append(repr(e))
+
+        async with serve(handler, "127.0.0.1", 0) as server:
+            async with connect("ws://127.0.0.1:%d" % server.sockets[0].getsockname()[1]) as ws:
+                async for _ in ws:
+                    pass
+            await asyncio.sleep(0.3)
+        return outcome
+
+    assert asyncio.run(main()) == ["closed"]

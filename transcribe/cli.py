@@ -152,7 +152,7 @@ def bench(
 @sub_app.command(help="Join the results.jsonl of shard runs (`--shard I/N --out DIR_I`) into --out/results.jsonl.\n\n"
                  "Only results.jsonl is merged: each shard's transcript files stay in its own folder, and a "
                  "line's `outputs` name them relative to --out (`../DIR_1/talks/a.txt`). A file listed by "
-                 "several shards keeps one line (an ok line over an error line, else the last). A results.jsonl already in "
+                 "several shards keeps one line (an ok line over an error line, else the last; within one log, its last line). A results.jsonl already in "
                  "--out is merged in, before the shards.")
 def merge(
     shard_args: List[str] = typer.Argument(..., metavar="SHARD_OUT_DIR", help="The --out folders of the shard runs."),

@@ -67,8 +67,10 @@ def writable_folder(folder: Path, option: str) -> None:
             pass
     except OSError as e:
         reason = e.strerror or str(e)
-        if e.errno == errno.EEXIST:  # mkdir's word for it: "File exists"
-            reason = "a symlink to nothing" if folder.is_symlink() and not folder.exists() else "not a folder"
+        if e.errno == errno.EEXIST:  # mkdir's word for it: "File exists", of this folder or one above
+            there = Path(e.filename) if e.filename else folder
+            reason = "a symlink to nothing" if there.is_symlink() and not there.exists() else "not a folder"
+            reason = reason if there == folder else f"{there} is {reason}"
         raise fail(f"{option} {folder}: cannot write there ({reason})", EXIT_NOTHING_RAN)
 
 

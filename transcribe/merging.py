@@ -18,7 +18,8 @@ from transcribe.writers import read_results
 
 def merged_records(log_dirs: list[Path], out: Path) -> list[dict]:
     """The lines of every `log_dirs`/results.jsonl for a log in `out`: one per file (a segment
-    of a file is its own), an ok line over an error line, else the last; `outputs` rebased
+    of a file is its own), an ok line over an error line, else the last (each log's own last line
+    of a file first, `resume.latest`: a shard stopped mid-run may hold two); `outputs` rebased
     (`rebased`)."""
     merged: dict[str, dict] = {}
     # Both folders resolved (once per log, not per line): a `..` in the new paths is followed

@@ -5,7 +5,8 @@ The pipeline hands each file over as its last piece is transcribed (`finished`) 
 staged to temporary names, then all fsynced, then all renamed (`writers.StagedWrites`), then
 their results.jsonl lines are appended (each flushed) and the log is fsynced once, so an `ok`
 line never outlives its outputs and a crash loses at most a batch's lines, whose files the next
-run redoes. A full, over-quota or read-only disk stops the run (`OutputStopped`) after the files
+run redoes (or finds done by an old line of the same model and settings: `resume.plan_resume`
+dropped every other old line of a file it redoes before the run began). A full, over-quota or read-only disk stops the run (`OutputStopped`) after the files
 staged before it are written; a file whose outputs cannot be written (a name too long, say)
 fails alone.
 

@@ -35,7 +35,7 @@ from transcribe.batching import Batcher, PaddingStats
 from transcribe.engine_api import Engine, Frontend
 from transcribe.file_language import FileLanguages
 from transcribe.inputs import InputFile, output_stems
-from transcribe.output_writer import OutputWriter
+from transcribe.output_writer import OutputStopped, OutputWriter
 from transcribe.results import Result
 from transcribe.resume import drop_replaced, file_identity, out_dir_lock, outputs_of, plan_resume, sweep_leftovers
 from transcribe.shm import Slab
@@ -94,9 +94,13 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         # the log, and what the log records. A file still growing or replaced while the run
         # reads it is logged as it was here, so the next run sees the change and does it again.
         identities = {f.path: file_identity(f.path) for f in files}
-        todo, stats.files_skipped, kept, stale = plan_resume(
-            files, out_dir / "results.jsonl", force, identities, model=engine.name, settings=engine.settings,
-            outputs=outputs_of(stems, formats), names=outputs_of(stems, list(WRITERS)))
+        try:
+            plan = plan_resume(files, out_dir / "results.jsonl", force, identities, model=engine.name,
+                               settings=engine.settings, outputs=outputs_of(stems, formats),
+                               names=outputs_of(stems, list(WRITERS)))
+        except OSError as e:  # the log could not be rewritten (a full disk): nothing is written yet
+            raise OutputStopped(f"{out_dir / 'results.jsonl'}: {e.strerror or e}") from e
+        todo, stats.files_skipped, kept = plan.todo, plan.skipped, plan.kept
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         with _decoder_chatter_dropped():
             todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
@@ -109,7 +113,8 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
                     job = _Job(engine, todo, stems, identities, kept, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
-            drop_replaced(out_dir / "results.jsonl", stale)  # the old lines of the files redone
+            if plan.tidy:  # the old lines of the files redone
+                drop_replaced(out_dir / "results.jsonl", plan.stale)
             bar.close()
             for k, v in engine.stage_seconds.items():
                 stats.stage_seconds[k] += v

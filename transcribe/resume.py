@@ -2,12 +2,14 @@
 
 A file is done when results.jsonl has an ok line for its path with the same size and
 modification time, by the same model and settings, and its outputs exist (`plan_resume`); a
-rerun skips it and redoes everything else (failed or changed files). A redone file's new line
-is appended beside its old one, and the old lines go when the run ends (`drop_replaced`), so
-each file ends with exactly one; a run stopped before its end (a kill, a crash) leaves both,
-and the last line of a file is the one that counts (`latest`). A file redone only for a format
-its line lacks keeps the formats it had on its new line (`ResumePlan.kept`). One run at a time
-holds a folder (`out_dir_lock`).
+rerun skips it and redoes everything else (failed or changed files). The old line of a file
+redone by the same model and settings (for a format its line lacks) stays beside its new one
+until the run ends (`drop_replaced`), so a run stopped early leaves the files it did not reach
+done; every other redone file's line goes before the run writes anything (`plan_resume`). Each
+file ends with exactly one line; a run killed before its end can leave two, and a file's last
+line is the one that counts (`latest`). A file redone only for a format its line lacks keeps
+the formats it had on its new line (`ResumePlan.kept`). One run at a time holds a folder
+(`out_dir_lock`).
 """
 from __future__ import annotations
 
@@ -113,6 +115,9 @@ class ResumePlan(NamedTuple):
     # to folders of their own (a broken line fails in the same shard each time): a shard run into
     # another shard's folder would drop that shard's failed lines of the manifest too.
     stale: frozenset[Path] = frozenset()
+    # The log holds lines to drop when the run ends (`drop_replaced`): old lines of files this
+    # run redoes, `stale` ones, a killed run's second lines. Without any, it is not read again.
+    tidy: bool = False
 
 
 def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFile], list[Path]]:
@@ -122,10 +127,7 @@ def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFi
 
 
 def latest(records: list[dict]) -> list[dict]:
-    """One line per file (a segment of a file is its own): its last, where it stands in the log.
-    Dropping a redone file's old lines before its new one was written lost them for good when the
-    run stopped first: `-f srt` stopped after 2 s of a 400-file folder done in txt left 209 lines,
-    and the next txt run redid the other 191 (their transcripts intact, by the same model)."""
+    """One line per file (a segment of a file is its own): its last, where it stands in the log."""
     last: dict = {}
     for r in records:
         key = record_key(r)
@@ -136,9 +138,9 @@ def latest(records: list[dict]) -> list[dict]:
 
 def drop_replaced(log_path: Path, stale: frozenset[Path] = frozenset()) -> None:
     """Rewrite the log with one line per file (`latest`) if a redone file has more, and without
-    the `stale` lines (`ResumePlan.stale`). At the end of a run, stopped or not; a log that
-    cannot be rewritten (a full disk) keeps the old lines too, which every reader passes over
-    and the next run drops."""
+    the `stale` lines (`ResumePlan.stale`). At the end of a run (`ResumePlan.tidy`), stopped or
+    not; a log that cannot be rewritten (a full disk) keeps the old lines too, which every
+    reader passes over and the next run drops."""
     try:
         records = read_results(log_path, notes=False)
         lines = [r for r in latest(records) if record_key(r) not in stale]
@@ -160,26 +162,50 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     line's own `outputs`, so a rerun with `--format srt` after a txt-only run writes the
     subtitles, a deleted transcript is made again, and a json left by an earlier
     transcription, or by another file that had the name before, is not taken for this one's,
-    nor is one that a later line lists, whose file wrote over it). The lines of files about to be
-    redone stay until the run ends (`drop_replaced`). A line from before `outputs` were logged
-    vouches for any that exist.
+    nor is one that a later line lists, whose file wrote over it). A line from before `outputs`
+    were logged vouches for any that exist. The log is rewritten without the lines of files
+    about to be redone that would vouch for their new outputs' text if the run stopped after
+    writing those but before their new lines (another model's or settings', and with `force`
+    any): an OSError if it cannot be. A line by the same model and settings stays until the
+    run ends (`drop_replaced`): stopped early, a `-f srt` run over a 400-file folder done in
+    txt left 209 lines when they went first, and the next txt run redid the other 191.
     `names`: every output the file's name has this run (all formats): only those can be `kept`
     (a name another file had in an earlier run, before two files' names clashed, is not)."""
-    records = latest(read_results(log_path))
+    lines = read_results(log_path)
+    records = latest(lines)
+    twice = len(records) != len(lines)  # a killed run's: its redone files' old lines too
     keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
     done, kept = (set(), {}) if force else _done(records, keys, by_key, log_path.parent, identities, model,
                                                  settings, outputs, names)
     todo = [f for f in files if f.key not in done]
+    redo = {f.key for f in todo}
+    wrong = {k for r, k in zip(records, keys) if k in redo and (force or not _same_run(r, model, settings))}
+    if wrong:
+        records = [r for r, k in zip(records, keys) if k not in wrong]
+        keys = [k for k in keys if k not in wrong]
+        atomic_write_text(log_path, "".join(results_line(r) for r in records))
+        twice = False
+    stale = _stale(files, keys, by_key)
+    tidy = twice or bool(stale) or not redo.isdisjoint(keys)
     return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done},
-                      _stale(files, keys, by_key))
+                      stale, tidy)
 
 
-def _stale(files: list[InputFile], keys: list[Path], by_key: dict) -> frozenset[Path]:
+def _same_run(record: dict, model: str | None, settings: dict[str, str] | None) -> bool:
+    """The line is by `model` with `settings` (None: any), as `_done` asks of a line that is done."""
+    return (model is None or record.get("model") == model) and (
+        settings is None or record.get("settings", {}) == settings)
+
+
+def _stale(files: list[InputFile], keys, by_key: dict) -> frozenset[Path]:
     """`ResumePlan.stale`: the keys among the log's `keys` of lines of a manifest `files` came
     from that name none of them."""
+    other = [k for k in keys if k not in by_key]
+    if not other:  # the usual case, and the cron fast path's: no name built for 20,000 inputs
+        return frozenset()
     read = {_manifest_of(f.line or f.path) for f in files} - {None}
-    return frozenset(k for k in keys if k not in by_key and _manifest_of(k) in read)
+    return frozenset(k for k in other if _manifest_of(k) in read)
 
 
 def _manifest_of(key: Path) -> str | None:
@@ -202,9 +228,7 @@ def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identiti
     for r, key in zip(records, keys):
         if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
             "size": r.get("size"), "mtime": r.get("mtime")
-        } and (model is None or r.get("model") == model) and (
-            settings is None or r.get("settings", {}) == settings
-        ):
+        } and _same_run(r, model, settings):
             f = by_key[key]
             wanted = outputs(f)
             if _vouched(r, wanted, out_dir) and all(owner.get(p.as_posix(), key) == key for p in wanted):

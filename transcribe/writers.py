@@ -243,7 +243,8 @@ class ResultsLog:
     one durable past a crash of the machine too; the pipeline calls it once per batch rather
     than per line (an fsync per line was 0.14 ms, a fifth of a short file's writing). A line
     appended after its file's outputs were fsynced and renamed can never be durable before
-    them, so a crash loses at most the last lines, whose files the next run redoes."""
+    them, so a crash loses at most the last lines, whose files the next run redoes (unless an
+    old line by the same model and settings vouches for them: `resume.plan_resume`)."""
 
     def __init__(self, path: Path):
         self.path = path

@@ -3,7 +3,8 @@ over WebSocket (`transcribe serve --ws-port`), where audio may also travel as bi
 
 Client -> server
     {"type": "hello", "stream_id": "abc", "sample_rate": 16000, "format": "pcm16"}
-        format: "pcm16" (little-endian int16) or "float32" (little-endian); must come first
+        format: "pcm16" (little-endian int16) or "float32" (little-endian); must come first;
+        mono (a "channels" other than 1 is refused)
     {"type": "audio", "data": "<base64 of PCM in the hello's format>"}
     <binary frame>                         WebSocket only: the same PCM, raw (no base64);
                                            may be mixed with "audio" messages

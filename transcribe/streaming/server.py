@@ -157,11 +157,13 @@ class _WsTransport:
         # a "busy" or "shutdown") stay queued, and websockets stops reading the socket past
         # WS_QUEUE_FRAMES: the client's close frame behind them went unseen, and close() waited
         # out its 10 s timeout (a stop took 10.6 s). They are read and dropped while it closes.
+        from websockets.exceptions import ConcurrencyError
+
         closing = asyncio.ensure_future(self.ws.close(1001 if going_away else 1000))
         try:
             async for _ in self.ws:  # ends when the connection does (handshake done, or timed out)
                 pass
-        except self._closed:
+        except (self._closed, ConcurrencyError):  # ConcurrencyError: a cancelled read not yet over
             pass
         except asyncio.CancelledError:  # a stop's handlers still running after 5 s
             closing.cancel()
