@@ -576,6 +576,7 @@ def test_merge_onto_a_full_disk_says_so_and_leaves_the_log_there(tmp_path, monke
     assert f"cannot write {out / 'results.jsonl'}: No space left on device" in done.output
     assert (out / "results.jsonl").read_text() == before
 
+
 def test_merge_refuses_a_shard_that_is_still_being_written(tmp_path):
     """A shard run still going has logged only the files it has finished: merging it then
     would give a log without the rest and exit 0. It exits 1 naming the shard instead, and
