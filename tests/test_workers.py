@@ -618,3 +618,32 @@ def test_a_wav_whose_writer_stopped_before_its_sizes_is_read_to_its_end(tmp_path
     monkeypatch.setitem(sys.modules, "av", None)  # as if PyAV were not installed: said, not "no samples"
     with pytest.raises(AudioError, match=r"reading a WAV whose header gives its data no size .* needs PyAV"):
         AudioStream(tmp_path / "open.wav", SR)
+
+
+def test_a_wav_over_4_gib_whose_sizes_are_open_is_read_to_its_end_and_one_whose_sizes_wrapped_fails(tmp_path):
+    """A writer streaming a WAV to a pipe (ffmpeg) leaves its sizes 0xFFFFFFFF, which libsndfile
+    reads as 4 GiB, not as "to the end": 21 min of a 4.5 h file were dropped, the file logged ok.
+    Such a file goes through PyAV, which reads to the end. Sizes that wrapped past 4 GiB leave
+    both readers short: that file fails saying so. (Sparse files: no 4 GiB is written.)"""
+    import struct
+
+    from transcribe.decode import AudioError, _SoundfileSource
+
+    fmt = struct.pack("<HHIIHH", 1, 1, SR, 2 * SR, 2, 16)
+    size = (1 << 32) + (1 << 20)  # 4 GiB and 1 MiB, 37.3 h at 16 kHz 16-bit: all zeros
+
+    def wav(name: str, declared: int) -> Path:
+        p = tmp_path / name
+        p.write_bytes(b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack("<I", 16) + fmt
+                      + b"data" + struct.pack("<I", declared))
+        os.truncate(p, size)
+        return p
+
+    source = _SoundfileSource(wav("open.wav", 0xFFFFFFFF))
+    assert source.open_wav == "a WAV over 4 GiB whose header leaves its data size open"
+    source.close()
+    if _has_av():
+        with AudioStream(tmp_path / "open.wav", SR) as stream:
+            assert stream.duration == pytest.approx((size - 44) / 2 / SR)  # not 0xFFFFFFFF bytes' worth
+    with pytest.raises(AudioError, match=r"sizes wrapped past 4 GiB"):
+        _SoundfileSource(wav("wrapped.wav", (size - 44) % (1 << 32)))
