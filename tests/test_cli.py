@@ -829,3 +829,26 @@ def test_a_manifest_line_fixed_since_leaves_no_failure_behind(tmp_path):
     p = run_cli(*args)
     assert p.returncode == 0 and "1 already done" in p.stderr, p.stderr
     assert sorted((r["audio_filepath"], r["status"]) for r in rows()) == sorted((str(a), "ok") for a in audio)
+
+
+@needs_shared
+def test_workers_are_never_more_than_the_files(tmp_path, monkeypatch):
+    """`--workers 1000` on one file spawned 1000 processes importing torch (0.5 GB more a
+    second, until the machine ran out): the workers, started while the model loads and in the
+    job, number at most the files."""
+    from typer.testing import CliRunner
+
+    import transcribe.pipeline
+    import transcribe.workers
+    from transcribe.cli import main_app
+
+    spawned, pools = [], []
+    real_spares, real_pool = transcribe.workers.Prespawned, transcribe.pipeline.WorkerPool
+    monkeypatch.setattr(transcribe.workers, "Prespawned", lambda n: (spawned.append(n), real_spares(n))[1])
+    monkeypatch.setattr(transcribe.pipeline, "WorkerPool",
+                        lambda frontend, slab, n, *a: (pools.append(n), real_pool(frontend, slab, n, *a))[1])
+    audio = str(Reference("tdt_tiny").audio_path(0))
+    done = CliRunner().invoke(main_app, [audio, "--model", str(Reference("tdt_tiny").nemo), "--out",
+                                         str(tmp_path / "o"), "--workers", "1000", "--no-progress"])
+    assert done.exit_code == 0, done.output
+    assert spawned == [1] and pools == [1]

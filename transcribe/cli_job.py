@@ -90,7 +90,9 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
             typer.echo(f"model: {model} not loaded: every file is done already", err=True)
             return files, None, 0.0, None
     t0 = time.perf_counter()
-    spares = Prespawned(workers or default_workers())
+    # No more workers than files: each is a process importing torch (~250 MB); `--workers 1000`
+    # on one file spawned them all, 0.5 GB more a second until the machine ran out.
+    spares = Prespawned(min(workers or default_workers(), len(files)))
     engine = None
     try:
         try:

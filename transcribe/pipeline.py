@@ -105,7 +105,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         with _decoder_chatter_dropped():
             todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
         bar = _Progress(len(todo), enabled=sys.stderr.isatty() if progress is None else progress)
-        n_workers = workers or default_workers()
+        n_workers = min(workers or default_workers(), max(len(todo), 1))  # a worker per file at most
         stats.stage_seconds["plan"] += time.perf_counter() - t_start
         try:
             with signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
