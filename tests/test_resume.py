@@ -256,3 +256,25 @@ def test_outputs_that_are_not_a_list_of_paths_vouch_for_nothing(tmp_path):
     plan = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=txt, names=txt)
     assert [f.path.stem for f in plan.todo] == ["five", "text"] and plan.skipped == 1
     assert not all_done(files, out, ["txt"], "m", {})
+
+
+def test_an_output_a_dropped_line_owned_is_no_other_files_again(tmp_path):
+    """`b/a.flac` then `a/a.flac` into one --out: `a.txt` is a's. A run over `a/` with another
+    model drops a's line before it writes; stopped before it reached the file, the earlier line
+    of b owned `a.txt` again, and the next run over `b/` took a's transcript for b's."""
+    a_dir, b_dir, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    for d in (a_dir, b_dir, out):
+        d.mkdir()
+    a, b = a_dir / "a.flac", b_dir / "a.flac"
+    a.write_bytes(b"x")
+    b.write_bytes(b"yy")
+    (out / "a.txt").write_text("a's text")
+    ident = {p: file_identity(p) for p in (a, b)}
+    log = out / "results.jsonl"
+    log.write_text("".join(json.dumps({"audio_filepath": str(p), "status": "ok", "model": "m", **ident[p],
+                                       "outputs": ["a.txt"]}) + "\n" for p in (b, a)))
+    txt = lambda f: [Path("a.txt")]
+    plan = plan_resume([InputFile(a, Path("a.flac"))], log, False, ident, model="n", outputs=txt)
+    assert len(plan.todo) == 1 and str(a) not in log.read_text()  # a's line went; the run stops here
+    plan = plan_resume([InputFile(b, Path("a.flac"))], log, False, ident, model="m", outputs=txt)
+    assert [f.path for f in plan.todo] == [b]

@@ -632,16 +632,24 @@ def test_a_wav_over_4_gib_whose_sizes_are_open_is_read_to_its_end_and_one_whose_
     fmt = struct.pack("<HHIIHH", 1, 1, SR, 2 * SR, 2, 16)
     size = (1 << 32) + (1 << 20)  # 4 GiB and 1 MiB, 37.3 h at 16 kHz 16-bit: all zeros
 
-    def wav(name: str, declared: int) -> Path:
+    def wav(name: str, declared: int, before: bytes = b"", to: int = size) -> Path:
         p = tmp_path / name
         p.write_bytes(b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack("<I", 16) + fmt
-                      + b"data" + struct.pack("<I", declared))
-        os.truncate(p, size)
+                      + before + b"data" + struct.pack("<I", declared))
+        os.truncate(p, to)
         return p
 
-    source = _SoundfileSource(wav("open.wav", 0xFFFFFFFF))
-    assert source.open_wav == "a WAV over 4 GiB whose header leaves its data size open"
-    source.close()
+    # The data chunk is found by its header, not by the word: a title with "data" in a LIST
+    # chunk before it gave a wrong size, and one 64 KiB on hid it.
+    title = b"INFOINAM" + struct.pack("<I", 16) + b"metadata: rec 7\0"
+    for before in (b"", b"LIST" + struct.pack("<I", len(title)) + title, b"JUNK" + struct.pack("<I", 70_000) + bytes(70_000)):
+        source = _SoundfileSource(wav("open.wav", 0xFFFFFFFF, before))
+        assert source.open_wav == "a WAV over 4 GiB whose header leaves its data size open", before[:4]
+        source.close()
+        source = _SoundfileSource(wav("zero.wav", 0, before, to=200_000))
+        assert source.open_wav is not None and "gives its data no size" in source.open_wav, before[:4]
+        source.close()
+    wav("open.wav", 0xFFFFFFFF)
     if _has_av():
         with AudioStream(tmp_path / "open.wav", SR) as stream:
             assert stream.duration == pytest.approx((size - 44) / 2 / SR)  # not 0xFFFFFFFF bytes' worth

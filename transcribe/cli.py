@@ -95,7 +95,8 @@ def transcribe(
 
         stats = interruptible(lambda: run(engine, files, out, formats, batch_seconds=batch_seconds, force=force,
                                            workers=workers, progress=progress, prespawned=spares),
-                               "run it again without --force to resume" if force else
+                               ("run it again without --force to resume (or with it, if that finds every file done: "
+                                "the stop came before any was redone)") if force else
                                "run the same command again to resume")
     _summary(stats.files_ok, stats.files_failed, stats.files_skipped, stats.audio_seconds,
              time.perf_counter() - t0, out)

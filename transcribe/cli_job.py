@@ -6,6 +6,7 @@ status and a line saying what a rerun does (`interruptible`).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -90,9 +91,10 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
             typer.echo(f"model: {model} not loaded: every file is done already", err=True)
             return files, None, 0.0, None
     t0 = time.perf_counter()
-    # No more workers than files: each is a process importing torch (~250 MB); `--workers 1000`
-    # on one file spawned them all, 0.5 GB more a second until the machine ran out.
-    spares = Prespawned(min(workers or default_workers(), len(files)))
+    # No more workers than files, nor, this early (some files may be done already; the job
+    # spawns what it lacks), than cores: each is a process importing torch (~250 MB), and
+    # `--workers 1000` on one file spawned them all, 0.5 GB more a second until the machine ran out.
+    spares = Prespawned(min(workers or default_workers(), len(files), os.cpu_count() or 1))
     engine = None
     try:
         try:

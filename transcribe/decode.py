@@ -309,12 +309,12 @@ def _open_wav(path: Path) -> str | None:
     dropped, the file transcribed as ok). A size that wrapped past 4 GiB, another 2 GiB or more
     of the file after the data it gives, is an AudioError: neither reader reads on."""
     with open(path, "rb") as f:
-        head = f.read(1 << 16)
         size = f.seek(0, 2)
-    at = head.find(b"data", 12)
-    if at < 0 or len(head) < at + 8:
+        data = _data_chunk(f, size)
+    if data is None:
         return None
-    declared, held = int.from_bytes(head[at + 4:at + 8], "little"), size - (at + 8)
+    start, declared = data
+    held = size - start
     if declared == 0 and held > 0:
         return "a WAV whose header gives its data no size (its writer stopped before finishing it)"
     if declared == 0xFFFFFFFF and held > declared:
@@ -323,6 +323,25 @@ def _open_wav(path: Path) -> str | None:
         raise AudioError(path, f"a WAV over 4 GiB whose header gives its data {declared} of the {held} bytes "
                                "after it (its sizes wrapped past 4 GiB): neither libsndfile nor FFmpeg reads "
                                "on; convert it to RF64, W64 or FLAC")
+    return None
+
+
+def _data_chunk(f, size: int, max_chunks: int = 1000) -> tuple[int, int] | None:
+    """(offset of its samples, the size its header gives) of the RIFF file `f`'s "data" chunk,
+    found by walking the chunk headers from byte 12 (a search for the bytes "data" found the
+    word in a LIST/INFO comment before it); None if it has none where a header can be read."""
+    at = 12
+    for _ in range(max_chunks):
+        f.seek(at)
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        n = int.from_bytes(head[4:], "little")
+        if head[:4] == b"data":
+            return at + 8, n
+        at += 8 + n + (n & 1)  # chunks are padded to an even length
+        if at >= size:
+            return None
     return None
 
 

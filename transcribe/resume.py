@@ -182,7 +182,12 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     redo = {f.key for f in todo}
     wrong = {k for r, k in zip(records, keys) if k in redo and (force or not _same_run(r, model, settings))}
     if wrong:
-        records = [r for r, k in zip(records, keys) if k not in wrong]
+        # An output a dropped line owned goes with it: an earlier line of another file that
+        # listed it (an `a.wav` of another input folder, same --out) would own it again and
+        # vouch for the dropped file's transcript.
+        owner = _owners(records, keys)
+        records = [_without(r, {p for p in _listed(r) if owner[p] in wrong})
+                   for r, k in zip(records, keys) if k not in wrong]
         keys = [k for k in keys if k not in wrong]
         atomic_write_text(log_path, "".join(results_line(r) for r in records))
         twice = False
@@ -190,6 +195,17 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     tidy = twice or bool(stale) or not redo.isdisjoint(keys)
     return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done},
                       stale, tidy)
+
+
+def _owners(records: list[dict], keys: list[Path]) -> dict[str, Path]:
+    """Each output to the key of the last line that lists it: a later run that gave its name to
+    another file (an `a.wav` of another input folder, into the same --out) wrote over it."""
+    return {p: key for r, key in zip(records, keys) for p in _listed(r)}
+
+
+def _without(record: dict, outputs: set[str]) -> dict:
+    """`record` no longer listing `outputs`."""
+    return {**record, "outputs": [p for p in record["outputs"] if p not in outputs]} if outputs else record
 
 
 def _same_run(record: dict, model: str | None, settings: dict[str, str] | None) -> bool:
@@ -220,10 +236,9 @@ def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identiti
           names: Callable[[InputFile], list[Path]]) -> tuple[set, dict[Path, list[str]]]:
     """The keys of `by_key` that `records` show done, and the outputs kept for the others
     (`plan_resume` says what each argument is and why)."""
-    # Each output to the last line that lists it: a later run that gave its name to another file
-    # (an `a.wav` of another input folder, into the same --out) wrote over it, so the earlier
-    # line's file is done again rather than vouched for by the other file's transcript.
-    owner = {p: key for r, key in zip(records, keys) for p in _listed(r)}
+    # An output is the last listing line's: the earlier line's file is done again rather than
+    # vouched for by the other file's transcript.
+    owner = _owners(records, keys)
     done, kept = set(), {}
     for r, key in zip(records, keys):
         if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
