@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tarfile
+import urllib.error
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import yaml
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # torch is imported where weights are read: choosing a model 
     import torch
 
 CONFIG_MEMBER = "model_config.yaml"
-PROBE_TIMEOUT_S = 2.0  # one TCP connect to the hub before any download
+PROBE_TIMEOUT_S = 2.0  # one HEAD request to the hub before any download (`hub_reachable`)
 WEIGHTS_MEMBER = "model_weights.ckpt"
 
 
@@ -182,15 +182,21 @@ def hub_offline() -> bool:
 
 
 def hub_reachable(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether the Hugging Face endpoint accepts a TCP connection within `timeout_s`."""
+    """Whether the Hugging Face endpoint answers an HTTP HEAD request (any status) within
+    `timeout_s` a step (connect, TLS, response). An accepted TCP connection was taken for an
+    answer: behind a firewall or a dead mirror that accepts and never replies, the download
+    then spent huggingface_hub's five 10 s retries (399 s) failing, and a run without --model
+    hung there instead of taking the bundled Whisper."""
     if hub_offline():
         return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    request = urllib.request.Request(os.environ.get("HF_ENDPOINT", "https://huggingface.co"), method="HEAD")
     try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
-            return True
-    except OSError:
+        urllib.request.urlopen(request, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return True  # an answer, if not a welcome one
+    except (OSError, ValueError):  # URLError, timeouts, refused; ValueError: no usable URL
         return False
+    return True
 
 
 def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float) -> Path:

@@ -1,8 +1,8 @@
 """Which model to run, and loading it: `--model` > $TRANSCRIBE_MODEL > parakeet-tdt-0.6b-v2 (in
 the Hugging Face cache, or fetched when the hub answers quickly) > the bundled whisper-base.
 
-Never hangs on a network that drops packets: `engines.checkpoint` opens one TCP connection
-to the hub with a short timeout before any download (only on a cache miss), and here before
+Never hangs on a network that drops packets, or on a server that accepts and never answers:
+`engines.checkpoint` sends the hub one HEAD request with a short timeout before any download (only on a cache miss), and here before
 choosing Parakeet over the bundled model.
 """
 from __future__ import annotations

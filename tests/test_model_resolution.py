@@ -135,11 +135,11 @@ def test_network_is_probed_only_on_a_cache_miss(hf_cache, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     attempts = []
 
-    def refuse(address, timeout=None):
-        attempts.append(address)
-        raise OSError("network unreachable")
+    def refuse(request, timeout=None):
+        attempts.append(request.full_url)
+        raise ck.urllib.error.URLError("network unreachable")
 
-    monkeypatch.setattr(ck.socket, "create_connection", refuse)
+    monkeypatch.setattr(ck.urllib.request, "urlopen", refuse)
     nemo = NEMO_REF / "tdt_tiny" / "model.nemo"
     assert load_engine(str(nemo), "cpu").name == str(nemo)
     fill_cache(hf_cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", nemo)
@@ -149,6 +149,39 @@ def test_network_is_probed_only_on_a_cache_miss(hf_cache, monkeypatch):
         resolve_checkpoint("parakeet-tdt-0.6b-v3")
     assert len(attempts) == 1
 
+
+def test_a_hub_that_accepts_connections_but_never_answers_is_unreachable(monkeypatch):
+    """A connection accepted was taken for an answer: behind a firewall or a dead mirror that
+    never replies, a registry model took 399 s to fail (huggingface_hub's retries) and a run
+    without --model hung instead of taking the bundled Whisper. The probe wants an HTTP answer
+    (any status) within its timeout; a server that gives one is reachable."""
+    import socket
+    import threading
+    import time
+
+    import engines.checkpoint as ck
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never answers
+    port = silent.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    assert not ck.hub_reachable(timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    silent.close()
+
+    answering = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = answering.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{answering.getsockname()[1]}")
+    assert ck.hub_reachable(timeout_s=2.0)
+    answering.close()
 
 @needs_shared
 def test_a_checkpoint_cut_short_is_a_clear_error(tmp_path):
