@@ -292,8 +292,21 @@ def bundled_base_dir() -> tuple[list[Path], Path]:
 
 
 def load_any(path: str | Path) -> tuple[WhisperDims, dict[str, torch.Tensor]]:
-    """Dispatch on what `path` is: CT2 folder / model.bin, `.pt`, `.safetensors` (or HF folder)."""
+    """Dispatch on what `path` is: CT2 folder / model.bin, `.pt`, `.safetensors` (or HF folder).
+    A file the readers choke on (cut short, damaged, not a checkpoint) is a WhisperWeightsError
+    naming it: torch's RuntimeError and a MemoryError from a garbage header length were
+    tracebacks, numpy's "cannot reshape" named no file."""
     p = Path(path)
+    try:
+        return _load_any(p)
+    except (RuntimeError, MemoryError, OverflowError, KeyError, EOFError, struct.error, ValueError) as e:
+        if isinstance(e, WhisperWeightsError):
+            raise
+        raise WhisperWeightsError(f"{p}: not a readable Whisper checkpoint (cut short or damaged?): "
+                                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _load_any(p: Path) -> tuple[WhisperDims, dict[str, torch.Tensor]]:
     if p.is_dir():
         if (p / "model.bin").is_file():
             return load_ct2(p / "model.bin")

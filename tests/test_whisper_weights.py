@@ -227,3 +227,16 @@ def test_bundled_base_streams_from_both_packages():
     assert dims == WhisperDims()  # whisper base: 6+6 layers, 512 wide, 8 heads, 80 mels
     assert sum(t.numel() for k, t in state.items() if not k.endswith(".pos")) > 71_000_000
     torch.testing.assert_close(state["encoder.pos"].float(), sinusoids(1500, 512), atol=1e-3, rtol=0)
+
+
+def test_a_damaged_checkpoint_file_is_a_clear_error_naming_it(tmp_path):
+    """A cut-short or foreign .pt (torch's RuntimeError), a .safetensors with a garbage header
+    length (MemoryError) or cut short (numpy's "cannot reshape", naming no file) were
+    tracebacks or riddles; each is a WhisperWeightsError naming the file."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [64, 64], "data_offsets": [0, 64 * 64 * 4]}}).encode()
+    files = {"garbage.pt": b"garbage\n", "empty.pt": b"", "garbage.safetensors": b"garbage\n",
+             "cut.safetensors": struct.pack("<Q", len(header)) + header + bytes(1000)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(WhisperWeightsError, match=rf"{name}: not a readable Whisper checkpoint"):
+            load_any(tmp_path / name)
