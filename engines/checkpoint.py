@@ -169,9 +169,12 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
             raise CheckpointError(f"{model}: no such checkpoint file")
         return p
     entry = REGISTRY.get(model)
+    if entry is None and ("/" in model or p.suffix.lower() in (".pt", ".pth", ".safetensors", ".bin")):
+        raise CheckpointError(f"{model}: no such file or folder")  # a path, not a misspelt name
     if entry is None:
         known = ", ".join(sorted([*REGISTRY, "whisper-base"]))  # whisper-base: bundled (engines.loader)
-        raise CheckpointError(f"unknown model {model!r}: pass a .nemo path or one of: {known} "
+        raise CheckpointError(f"unknown model {model!r}: pass a checkpoint's path (.nemo; Whisper: .pt, .safetensors, "
+                              f"a CTranslate2 or Hugging Face folder) or one of: {known} "
                               "(`transcribe models` says where each comes from)")
     return _hf_download(entry, offline=offline, timeout_s=timeout_s)
 

@@ -53,6 +53,9 @@ def test_registry_name_resolves_from_a_prefilled_cache_offline(hf_cache):
         resolve_checkpoint("nope")
     with pytest.raises(CheckpointError, match="no such checkpoint file"):
         resolve_checkpoint(str(hf_cache / "gone.nemo"))
+    for gone in (str(hf_cache / "gone.pt"), "base.safetensors", "models/whisper"):  # paths, not misspelt names
+        with pytest.raises(CheckpointError, match=f"^{gone}: no such file or folder$"):
+            resolve_checkpoint(gone)
     with pytest.raises(CheckpointError, match="a folder, not a .nemo checkpoint file"):
         resolve_checkpoint(str(hf_cache))  # an unpacked checkpoint, or a typo
 

@@ -44,7 +44,8 @@ FEATURES_ON = typer.Option("auto", "--features-on", help="Parakeet log-mel featu
 DEVICE = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (auto: cuda when available).")
 BATCH_SECONDS = typer.Option(300.0, "--batch-seconds", min=1.0, help="Padded audio seconds per model batch (a batch out "
                              "of memory runs again in halves).")
-MODEL = typer.Option(None, "--model", "-m", help="Registry name (see `transcribe models`) or path to a .nemo file. "
+MODEL = typer.Option(None, "--model", "-m", help="Registry name (see `transcribe models`) or a checkpoint's path: a .nemo file, or a "
+                     "Whisper .pt, .safetensors, CTranslate2 or Hugging Face folder. "
                      "Default: $TRANSCRIBE_MODEL, else parakeet-tdt-0.6b-v2 if cached, else the bundled whisper-base.")
 
 # `serve --log-level`: its names, and the least severe of our log lines each shows.
