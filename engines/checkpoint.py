@@ -41,6 +41,10 @@ class RegistryEntry:
     filename: str
     family: str  # "parakeet" (a .nemo transducer / CTC model) or "whisper"
     extra_files: tuple[str, ...] = ()  # fetched into the same snapshot folder as `filename`
+    # Fetched there too when the repo has them, and loaded without when not (an older cache):
+    # Whisper's generation_config.json lists its alignment heads, without which word times
+    # come from OpenAI's default heads and moved up to 0.14 s (whisper-base on JFK).
+    optional_files: tuple[str, ...] = ()
 
 
 # Parakeet / FastConformer checkpoints published by NVIDIA as single `.nemo` files.
@@ -58,7 +62,7 @@ REGISTRY: dict[str, RegistryEntry] = {
         RegistryEntry("parakeet-ctc-1.1b", "nvidia/parakeet-ctc-1.1b", "parakeet-ctc-1.1b.nemo", "parakeet"),
         # OpenAI Whisper in Hugging Face's safetensors layout (weights + head counts + vocab).
         *[RegistryEntry(f"whisper-{size}", f"openai/whisper-{size}", "model.safetensors", "whisper",
-                        ("config.json", "tokenizer.json"))
+                        ("config.json", "tokenizer.json"), ("generation_config.json",))
           for size in ("large-v3", "large-v3-turbo", "large-v2", "medium", "medium.en", "small",
                        "small.en", "base.en", "tiny", "tiny.en")],
     ]
@@ -212,7 +216,9 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
     files = (entry.filename, *entry.extra_files)
     try:
         # Cache first: a filled cache must never wait on the network.
-        return [Path(hf_hub_download(entry.repo_id, f, local_files_only=True)) for f in files][0]
+        path = [Path(hf_hub_download(entry.repo_id, f, local_files_only=True)) for f in files][0]
+        _fetch_optional(entry, local_only=True, timeout_s=timeout_s)
+        return path
     except LocalEntryNotFoundError:
         if offline:
             raise CheckpointError(
@@ -224,6 +230,19 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
     if not hub_reachable():
         raise CheckpointError(f"{entry.name}: not in the Hugging Face cache and the hub is unreachable")
     try:
-        return [Path(hf_hub_download(entry.repo_id, f, etag_timeout=timeout_s)) for f in files][0]
+        path = [Path(hf_hub_download(entry.repo_id, f, etag_timeout=timeout_s)) for f in files][0]
     except Exception as e:  # network errors come in many types (requests, httpx, OSError)
         raise CheckpointError(f"{entry.name}: download of {entry.repo_id} failed: {e}") from e
+    _fetch_optional(entry, local_only=False, timeout_s=timeout_s)
+    return path
+
+
+def _fetch_optional(entry: RegistryEntry, *, local_only: bool, timeout_s: float) -> None:
+    """`entry.optional_files` into the snapshot folder, those it can get (`RegistryEntry`)."""
+    from huggingface_hub import hf_hub_download
+
+    for f in entry.optional_files:
+        try:
+            hf_hub_download(entry.repo_id, f, local_files_only=local_only, etag_timeout=timeout_s)
+        except Exception:  # not in the repo, or not cached: the defaults serve  # noqa: BLE001
+            pass

@@ -118,14 +118,18 @@ def test_whisper_registry_name_loads_hf_safetensors_from_the_cache(hf_cache, tmp
     src.mkdir()
     write_safetensors(src / "model.safetensors", hf_state(openai_state(dims)))
     (src / "config.json").write_text(json.dumps({"encoder_attention_heads": 2, "decoder_attention_heads": 2}))
-    fill_cache(hf_cache, "openai/whisper-large-v3", "model.safetensors", src / "model.safetensors",
-               config_json=src / "config.json", tokenizer_json=bundled_base_dir()[1] / "tokenizer.json")
+    snapshot = fill_cache(hf_cache, "openai/whisper-large-v3", "model.safetensors", src / "model.safetensors",
+                          config_json=src / "config.json", tokenizer_json=bundled_base_dir()[1] / "tokenizer.json").parent
 
     engine = load_engine("whisper-large-v3", "cpu")
     assert engine.name == "whisper-large-v3" and engine.decoder.model.dims == dims
     assert engine.frontend.n_mels == 128
     (r,) = engine.transcribe([np.zeros(16000, dtype=np.float32)])
     assert isinstance(r.text, str)
+    assert engine.decoder.aligner.heads == {0: [0, 1]}  # no generation_config.json: OpenAI's default heads
+    # The repo's generation_config.json lists the alignment heads: fetched and read when there
+    (snapshot / "generation_config.json").write_text(json.dumps({"alignment_heads": [[0, 1]]}))
+    assert load_engine("whisper-large-v3", "cpu").decoder.aligner.heads == {0: [1]}
 
 
 @needs_shared
@@ -226,3 +230,31 @@ def test_a_whisper_checkpoint_is_known_by_a_tilde_path(tmp_path, monkeypatch):
     (tmp_path / "ct2" / "model.bin").write_bytes(b"not loaded")
     assert is_whisper("~/w.pt") and is_whisper("~/ct2") and is_whisper(str(tmp_path / "w.pt"))
     assert not is_whisper("~/missing.pt") and not is_whisper("~/m.nemo")
+
+
+def test_a_whisper_download_fetches_the_alignment_heads_when_the_repo_has_them(monkeypatch, tmp_path):
+    """The registry's Whisper repos keep their alignment heads in generation_config.json, which
+    was never fetched: word times came from OpenAI's default heads (up to 0.14 s off). It is
+    fetched beside the weights, and a repo or an older cache without it still loads."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    import engines.checkpoint as ck
+
+    asked = []
+
+    def fake_download(repo_id, filename, local_files_only=False, etag_timeout=None):
+        asked.append((filename, local_files_only))
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        if filename == "generation_config.json" and repo_id.endswith("tiny.en"):
+            raise EntryNotFoundError("no such file in the repo")
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(ck, "hub_reachable", lambda: True)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("whisper-tiny", "whisper-tiny.en"):
+        asked.clear()
+        assert resolve_checkpoint(name) == tmp_path / "model.safetensors"
+        assert ("generation_config.json", False) in asked, asked
