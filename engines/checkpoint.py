@@ -84,8 +84,8 @@ class NemoArchive:
         try:
             # "r:*" also reads the gzip-compressed archives older NeMo versions wrote.
             self._tar = tarfile.open(self.path, "r:*")
-        except tarfile.TarError as e:
-            raise CheckpointError(f"{self.path}: not a .nemo (tar) archive: {e}") from e
+        except tarfile.TarError as e:  # its message lists each compression tried, a line each
+            raise CheckpointError(f"{self.path}: not a .nemo (tar) archive ({str(e).splitlines()[0].rstrip(':')})") from e
         try:
             members = self._tar.getmembers()
         except (tarfile.TarError, EOFError, OSError) as e:  # a download cut short, most often
@@ -228,7 +228,9 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
     # Only now, on a cache miss, is the network needed: a quick probe first, so that a network
     # that drops packets fails in seconds instead of hanging the download.
     if not hub_reachable():
-        raise CheckpointError(f"{entry.name}: not in the Hugging Face cache and the hub is unreachable")
+        raise CheckpointError(f"{entry.name}: not in the Hugging Face cache and the hub is unreachable "
+                              f"(download {entry.repo_id} ({', '.join(files)}) on a connected machine into "
+                              "the cache, HF_HOME, or pass a local path)")
     try:
         path = [Path(hf_hub_download(entry.repo_id, f, etag_timeout=timeout_s)) for f in files][0]
     except Exception as e:  # network errors come in many types (requests, httpx, OSError)

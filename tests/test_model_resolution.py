@@ -258,3 +258,13 @@ def test_a_whisper_download_fetches_the_alignment_heads_when_the_repo_has_them(m
         asked.clear()
         assert resolve_checkpoint(name) == tmp_path / "model.safetensors"
         assert ("generation_config.json", False) in asked, asked
+
+
+def test_a_file_that_is_no_archive_is_one_line_naming_it(tmp_path):
+    """tarfile's error lists each compression it tried, a line each: the message was five lines."""
+    from engines.checkpoint import NemoArchive
+
+    (tmp_path / "text.nemo").write_text("hello\n")
+    with pytest.raises(CheckpointError, match=r"text\.nemo: not a \.nemo \(tar\) archive") as e:
+        NemoArchive(tmp_path / "text.nemo")
+    assert "\n" not in str(e.value)
