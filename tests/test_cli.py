@@ -852,3 +852,14 @@ def test_workers_are_never_more_than_the_files(tmp_path, monkeypatch):
                                          str(tmp_path / "o"), "--workers", "1000", "--no-progress"])
     assert done.exit_code == 0, done.output
     assert spawned == [1] and pools == [1]
+
+
+@needs_shared
+def test_a_bad_model_from_the_environment_says_where_it_came_from(tmp_path, monkeypatch):
+    """`TRANSCRIBE_MODEL=bogus` said "unknown model 'bogus'" and not that no --model was given."""
+    audio = str(Reference("tdt_tiny").audio_path(0))
+    monkeypatch.setenv("TRANSCRIBE_MODEL", str(tmp_path / "gone.nemo"))
+    p = run_cli(audio, "--out", str(tmp_path / "o"))
+    assert p.returncode == 1 and "cannot load model (from $TRANSCRIBE_MODEL):" in p.stderr, p.stderr
+    p = run_cli(audio, "--out", str(tmp_path / "o"), "--model", str(tmp_path / "gone.nemo"))
+    assert p.returncode == 1 and "cannot load model: " in p.stderr, p.stderr

@@ -81,6 +81,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
         typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
         return files, None, 0.0, None
+    chosen = " (from $TRANSCRIBE_MODEL)" if model is None and os.environ.get("TRANSCRIBE_MODEL") else ""
     try:  # the model's name, and whether it takes these options, before any worker or weight
         model = checked_model(model, encoder_backend, features_on, language, task, prompt)
     except OptionError as e:  # an option this model does not take (--language for Parakeet)
@@ -119,7 +120,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     except DeviceError as e:  # the model is fine; this machine cannot run what was asked of it
         raise fail(f"cannot run on this device: {e}", EXIT_NOTHING_RAN)
     except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
-        raise fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
+        raise fail(f"cannot load model{chosen}: {e}", EXIT_NOTHING_RAN)
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do
             spares.close()
