@@ -27,6 +27,19 @@ def _inputs(tmp_path, names):
     return audio, out, ident, line
 
 
+def _same_names(tmp_path, name: str, text: str):
+    """Two audio files `name`, in folders A/ and B/ (a, b: different sizes), an out folder whose
+    `a.txt` holds `text`, and their identities."""
+    out = tmp_path / "out"
+    out.mkdir()
+    a, b = tmp_path / "A" / name, tmp_path / "B" / name
+    for p, data in ((a, b"x"), (b, b"yy")):
+        p.parent.mkdir()
+        p.write_bytes(data)
+    (out / "a.txt").write_text(text)
+    return a, b, out, {p: file_identity(p) for p in (a, b)}
+
+
 def test_a_line_vouches_for_the_outputs_it_names_and_old_lines_for_any_that_exist(tmp_path):
     audio, out, ident, line = _inputs(tmp_path, ("old", "named", "unnamed"))
     for name in audio:
@@ -73,15 +86,8 @@ def test_an_output_another_file_took_since_is_no_longer_the_first_files(tmp_path
     `a.txt` for its own (it exists, its line lists it) and skipped the file, the transcript being
     the other file's. The last line listing an output owns it: the first file is done again,
     and a file redone for another format does not keep listing what another file wrote."""
-    a_dir, b_dir, out = tmp_path / "A", tmp_path / "B", tmp_path / "out"
-    for d in (a_dir, b_dir, out):
-        d.mkdir()
-    a, b = a_dir / "a.wav", b_dir / "a.wav"
-    a.write_bytes(b"x")
-    b.write_bytes(b"yy")
-    (out / "a.txt").write_text("b's text")
+    a, b, out, ident = _same_names(tmp_path, "a.wav", "b's text")
     (out / "a.srt").write_text("a's subtitles")
-    ident = {p: file_identity(p) for p in (a, b)}
     line = lambda p, outputs: {"audio_filepath": str(p), "status": "ok", "model": "m", **ident[p], "outputs": outputs}
     log = "".join(json.dumps(r) + "\n" for r in (line(a, ["a.txt", "a.srt"]), line(b, ["a.txt"])))
     (out / "results.jsonl").write_text(log)
@@ -262,14 +268,7 @@ def test_an_output_a_dropped_line_owned_is_no_other_files_again(tmp_path):
     """`b/a.flac` then `a/a.flac` into one --out: `a.txt` is a's. A run over `a/` with another
     model drops a's line before it writes; stopped before it reached the file, the earlier line
     of b owned `a.txt` again, and the next run over `b/` took a's transcript for b's."""
-    a_dir, b_dir, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
-    for d in (a_dir, b_dir, out):
-        d.mkdir()
-    a, b = a_dir / "a.flac", b_dir / "a.flac"
-    a.write_bytes(b"x")
-    b.write_bytes(b"yy")
-    (out / "a.txt").write_text("a's text")
-    ident = {p: file_identity(p) for p in (a, b)}
+    a, b, out, ident = _same_names(tmp_path, "a.flac", "a's text")
     log = out / "results.jsonl"
     log.write_text("".join(json.dumps({"audio_filepath": str(p), "status": "ok", "model": "m", **ident[p],
                                        "outputs": ["a.txt"]}) + "\n" for p in (b, a)))
