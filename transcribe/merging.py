@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from transcribe.inputs import record_key
 from transcribe.resume import latest
 from transcribe.writers import read_results
 
@@ -21,15 +20,14 @@ def merged_records(log_dirs: list[Path], out: Path) -> list[dict]:
     of a file is its own), an ok line over an error line, else the last (each log's own last line
     of a file first, `resume.latest`: a shard stopped mid-run may hold two); `outputs` rebased
     (`rebased`)."""
-    merged: dict[str, dict] = {}
+    merged: dict[Path, dict] = {}
     # Both folders resolved (once per log, not per line): a `..` in the new paths is followed
     # from `out`'s real location, so a lexical relpath from an `out` reached through a link
     # would climb out of the wrong folder.
     dst = out.resolve()
     for d in log_dirs:
         src = d.resolve()
-        for r in latest(read_results(d / "results.jsonl")):  # a shard stopped mid-run may hold a file twice
-            key = str(record_key(r))
+        for key, r in latest(read_results(d / "results.jsonl")).items():  # a shard stopped mid-run may hold a file twice
             old = merged.get(key)
             if old is None or not (old.get("status") == "ok" and r.get("status") != "ok"):
                 merged[key] = rebased(r, src, dst)

@@ -126,14 +126,15 @@ def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFi
     return lambda f: list(output_paths(stems[f.key], formats).values())
 
 
-def latest(records: list[dict]) -> list[dict]:
-    """One line per file (a segment of a file is its own): its last, where it stands in the log."""
-    last: dict = {}
+def latest(records: list[dict]) -> dict[Path, dict]:
+    """One line per file (a segment of a file is its own), by its key (`record_key`): its last,
+    where it stands in the log."""
+    last: dict[Path, dict] = {}
     for r in records:
         key = record_key(r)
         last.pop(key, None)  # in the order they were written: the last line naming an output owns it
         last[key] = r
-    return list(last.values())
+    return last
 
 
 def drop_replaced(log_path: Path, stale: frozenset[Path] = frozenset()) -> None:
@@ -143,7 +144,7 @@ def drop_replaced(log_path: Path, stale: frozenset[Path] = frozenset()) -> None:
     reader passes over and the next run drops."""
     try:
         records = read_results(log_path, notes=False)
-        lines = [r for r in latest(records) if record_key(r) not in stale]
+        lines = [r for key, r in latest(records).items() if key not in stale]
         if len(lines) != len(records):
             atomic_write_text(log_path, "".join(results_line(r) for r in lines))
     except OSError:
@@ -174,33 +175,32 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     lines = read_results(log_path)
     records = latest(lines)
     twice = len(records) != len(lines)  # a killed run's: its redone files' old lines too
-    keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
-    done, kept = (set(), {}) if force else _done(records, keys, by_key, log_path.parent, identities, model,
+    done, kept = (set(), {}) if force else _done(records, by_key, log_path.parent, identities, model,
                                                  settings, outputs, names)
     todo = [f for f in files if f.key not in done]
     redo = {f.key for f in todo}
-    wrong = {k for r, k in zip(records, keys) if k in redo and (force or not _same_run(r, model, settings))}
+    wrong = {k for k, r in records.items() if k in redo and (force or not _same_run(r, model, settings))}
     if wrong:
         # An output a dropped line owned goes with it: an earlier line of another file that
         # listed it (an `a.wav` of another input folder, same --out) would own it again and
         # vouch for the dropped file's transcript.
-        owner = _owners(records, keys)
-        records = [_without(r, {p for p in _listed(r) if owner[p] in wrong})
-                   for r, k in zip(records, keys) if k not in wrong]
-        keys = [k for k in keys if k not in wrong]
-        atomic_write_text(log_path, "".join(results_line(r) for r in records))
+        owner = _owners(records)
+        records = {k: _without(r, {p for p in _listed(r) if owner[p] in wrong})
+                   for k, r in records.items() if k not in wrong}
+        atomic_write_text(log_path, "".join(results_line(r) for r in records.values()))
         twice = False
-    stale = _stale(files, keys, by_key)
-    tidy = twice or bool(stale) or not redo.isdisjoint(keys)
+    stale = _stale(files, records, by_key)
+    tidy = twice or bool(stale) or not redo.isdisjoint(records)
     return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done},
                       stale, tidy)
 
 
-def _owners(records: list[dict], keys: list[Path]) -> dict[str, Path]:
-    """Each output to the key of the last line that lists it: a later run that gave its name to
-    another file (an `a.wav` of another input folder, into the same --out) wrote over it."""
-    return {p: key for r, key in zip(records, keys) for p in _listed(r)}
+def _owners(records: dict[Path, dict]) -> dict[str, Path]:
+    """Each output to the key of the last line (`latest`) that lists it: a later run that gave
+    its name to another file (an `a.wav` of another input folder, into the same --out) wrote
+    over it."""
+    return {p: key for key, r in records.items() for p in _listed(r)}
 
 
 def _without(record: dict, outputs: set[str]) -> dict:
@@ -215,8 +215,8 @@ def _same_run(record: dict, model: str | None, settings: dict[str, str] | None) 
 
 
 def _stale(files: list[InputFile], keys, by_key: dict) -> frozenset[Path]:
-    """`ResumePlan.stale`: the keys among the log's `keys` of lines of a manifest `files` came
-    from that name none of them."""
+    """`ResumePlan.stale`: the keys among the log's `keys` (its lines' `latest`) of lines of a
+    manifest `files` came from that name none of them."""
     other = [k for k in keys if k not in by_key]
     if not other:  # the usual case, and the cron fast path's: no name built for 20,000 inputs
         return frozenset()
@@ -231,16 +231,16 @@ def _manifest_of(key: Path) -> str | None:
     return head if line.isdigit() and Path(head).suffix.lower() in MANIFEST_EXTENSIONS else None
 
 
-def _done(records: list[dict], keys: list, by_key: dict, out_dir: Path, identities: dict[Path, dict],
+def _done(records: dict[Path, dict], by_key: dict, out_dir: Path, identities: dict[Path, dict],
           model: str | None, settings: dict[str, str] | None, outputs: Callable[[InputFile], list[Path]],
           names: Callable[[InputFile], list[Path]]) -> tuple[set, dict[Path, list[str]]]:
-    """The keys of `by_key` that `records` show done, and the outputs kept for the others
-    (`plan_resume` says what each argument is and why)."""
+    """The keys of `by_key` that `records` (`latest`) show done, and the outputs kept for the
+    others (`plan_resume` says what each argument is and why)."""
     # An output is the last listing line's: the earlier line's file is done again rather than
     # vouched for by the other file's transcript.
-    owner = _owners(records, keys)
+    owner = _owners(records)
     done, kept = set(), {}
-    for r, key in zip(records, keys):
+    for key, r in records.items():
         if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
             "size": r.get("size"), "mtime": r.get("mtime")
         } and _same_run(r, model, settings):
@@ -264,15 +264,14 @@ def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: s
     if not log_path.is_file() or writer_of(out_dir) is not None:
         return False
     records = latest(read_results(log_path, notes=False))
-    keys = [record_key(r) for r in records]
     by_key = {f.key: f for f in files}
-    if not by_key.keys() <= set(keys):  # a new file (cron's usual case): said before the names,
+    if not by_key.keys() <= records.keys():  # a new file (cron's usual case): said before the names,
         return False  # which cost most here (20,000 files: 0.65 s of 1.1)
-    if _stale(files, keys, by_key):  # the run drops them
+    if _stale(files, records, by_key):  # the run drops them
         return False
     stems = output_stems(files)
     identities = {f.path: file_identity(f.path) for f in files}
-    done, _ = _done(records, keys, by_key, out_dir, identities, model, settings, outputs_of(stems, formats),
+    done, _ = _done(records, by_key, out_dir, identities, model, settings, outputs_of(stems, formats),
                     lambda f: [])
     return done == set(by_key)
 
