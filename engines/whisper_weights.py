@@ -299,9 +299,9 @@ def load_any(path: str | Path) -> tuple[WhisperDims, dict[str, torch.Tensor]]:
     p = Path(path)
     try:
         return _load_any(p)
+    except WhisperWeightsError:
+        raise
     except (RuntimeError, MemoryError, OverflowError, KeyError, EOFError, struct.error, ValueError) as e:
-        if isinstance(e, WhisperWeightsError):
-            raise
         raise WhisperWeightsError(f"{p}: not a readable Whisper checkpoint (cut short or damaged?): "
                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 

@@ -151,13 +151,10 @@ class StagedWrites:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), FILE_MODE)
                 f.write(memoryview(data))
-        except OSError as e:
-            Path(tmp).unlink(missing_ok=True)
-            raise _naming(e, path)
-        except BaseException:
+        except BaseException as e:
             # Any failure (disk full, ^C, SIGTERM) removes the temporary file; the old one stays intact.
             Path(tmp).unlink(missing_ok=True)
-            raise
+            raise _naming(e, path) if isinstance(e, OSError) else e
         self._staged.append((tmp, path, key))
 
     def drop(self, key: object) -> None:

@@ -129,9 +129,9 @@ class _WsTransport:
     message can follow), which the handler sees as a disconnect."""
 
     def __init__(self, ws: "ServerConnection"):
-        from websockets.exceptions import ConnectionClosed
+        from websockets.exceptions import ConcurrencyError, ConnectionClosed
 
-        self.ws, self._closed = ws, ConnectionClosed
+        self.ws, self._closed, self._concurrent = ws, ConnectionClosed, ConcurrencyError
         self.received_at = time.monotonic()  # per whole message: websockets shows no bytes before (at most 4 MB)
 
     async def recv(self) -> Incoming:
@@ -157,13 +157,11 @@ class _WsTransport:
         # a "busy" or "shutdown") stay queued, and websockets stops reading the socket past
         # WS_QUEUE_FRAMES: the client's close frame behind them went unseen, and close() waited
         # out its 10 s timeout (a stop took 10.6 s). They are read and dropped while it closes.
-        from websockets.exceptions import ConcurrencyError
-
         closing = asyncio.ensure_future(self.ws.close(1001 if going_away else 1000))
         try:
             async for _ in self.ws:  # ends when the connection does (handshake done, or timed out)
                 pass
-        except (self._closed, ConcurrencyError):  # ConcurrencyError: a cancelled read not yet over
+        except (self._closed, self._concurrent):  # ConcurrencyError: a cancelled read not yet over
             pass
         except asyncio.CancelledError:  # a stop's handlers still running after 5 s
             closing.cancel()
