@@ -233,6 +233,13 @@ def read_manifest(path: Path) -> list[InputFile]:
             for f, where in zip(out, (Path(f"{manifest}:{n}") for n in linenos))]
 
 
+def manifest_of_line(key: Path) -> str | None:
+    """`MANIFEST:LINE`, as `read_manifest` names a line (`InputFile.line`, or the key of a line
+    that names no audio) -> MANIFEST; None for any other path."""
+    head, _, line = str(key).rpartition(":")
+    return head if line.isdigit() and Path(head).suffix.lower() in MANIFEST_EXTENSIONS else None
+
+
 def _manifest_entry(raw: bytes, manifest: Path, lineno: int) -> InputFile:
     base = manifest.parent
     where = Path(f"{manifest}:{lineno}")  # stands for the line when it names no audio

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from transcribe.inputs import MANIFEST_EXTENSIONS, InputFile, output_stems, record_key
+from transcribe.inputs import InputFile, manifest_of_line, output_stems, record_key
 from transcribe.writers import TEMP_MARK, atomic_write_text, output_paths, read_results, results_line
 
 # writers.StagedWrites' temporary names only: a look-alike (`.notes.abcd1234.tmp`) is the user's.
@@ -220,15 +220,8 @@ def _stale(files: list[InputFile], keys, by_key: dict) -> frozenset[Path]:
     other = [k for k in keys if k not in by_key]
     if not other:  # the usual case, and the cron fast path's: no name built for 20,000 inputs
         return frozenset()
-    read = {_manifest_of(f.line or f.path) for f in files} - {None}
-    return frozenset(k for k in other if _manifest_of(k) in read)
-
-
-def _manifest_of(key: Path) -> str | None:
-    """`MANIFEST:LINE` (how `inputs.read_manifest` names a line) -> MANIFEST; None for any
-    other path."""
-    head, _, line = str(key).rpartition(":")
-    return head if line.isdigit() and Path(head).suffix.lower() in MANIFEST_EXTENSIONS else None
+    read = {manifest_of_line(f.line or f.path) for f in files} - {None}
+    return frozenset(k for k in other if manifest_of_line(k) in read)
 
 
 def _done(records: dict[Path, dict], by_key: dict, out_dir: Path, identities: dict[Path, dict],
