@@ -167,8 +167,9 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
     """
     p = Path(model).expanduser()
     if p.suffix == ".nemo" or p.exists():
-        if p.is_dir():  # an unpacked checkpoint, say: NeMo's (and our) checkpoints are the .nemo tar file
-            raise CheckpointError(f"{model}: a folder, not a .nemo checkpoint file")
+        if p.is_dir():  # an unpacked .nemo, say, or a Whisper folder without its weights (engines.loader)
+            raise CheckpointError(f"{model}: a folder holding no checkpoint (a Whisper folder holds model.bin "
+                                  "or model.safetensors; a Parakeet checkpoint is the .nemo file itself)")
         if not p.is_file():
             raise CheckpointError(f"{model}: no such checkpoint file")
         return p
@@ -225,6 +226,8 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
                 f"{entry.name}: not in the Hugging Face cache and offline mode is on "
                 f"(download {entry.repo_id} ({', '.join(files)}) on a connected machine, or pass a local path)"
             ) from None
+    except OSError as e:  # HF_HOME a file, say: the token and cache paths under it are not folders
+        raise CheckpointError(f"{entry.name}: cannot read the Hugging Face cache ({_hub_settings()}): {e}") from None
     # Only now, on a cache miss, is the network needed: a quick probe first, so that a network
     # that drops packets fails in seconds instead of hanging the download.
     if not hub_reachable():
@@ -237,6 +240,12 @@ def _hf_download(entry: RegistryEntry, *, offline: bool | None, timeout_s: float
         raise CheckpointError(f"{entry.name}: download of {entry.repo_id} failed: {e}") from e
     _fetch_optional(entry, local_only=False, timeout_s=timeout_s)
     return path
+
+
+def _hub_settings() -> str:
+    """The environment that places huggingface_hub's cache and token, as set (or its default)."""
+    named = [f"{k}={os.environ[k]}" for k in ("HF_HOME", "HF_HUB_CACHE", "HF_TOKEN_PATH") if os.environ.get(k)]
+    return ", ".join(named) or "HF_HOME unset: ~/.cache/huggingface"
 
 
 def _fetch_optional(entry: RegistryEntry, *, local_only: bool, timeout_s: float) -> None:

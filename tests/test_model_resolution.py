@@ -56,8 +56,28 @@ def test_registry_name_resolves_from_a_prefilled_cache_offline(hf_cache):
     for gone in (str(hf_cache / "gone.pt"), "base.safetensors", "models/whisper"):  # paths, not misspelt names
         with pytest.raises(CheckpointError, match=f"^{gone}: no such file or folder$"):
             resolve_checkpoint(gone)
-    with pytest.raises(CheckpointError, match="a folder, not a .nemo checkpoint file"):
-        resolve_checkpoint(str(hf_cache))  # an unpacked checkpoint, or a typo
+    with pytest.raises(CheckpointError, match=r"a folder holding no checkpoint \(a Whisper folder holds model.bin"):
+        resolve_checkpoint(str(hf_cache))  # an unpacked checkpoint, an empty Whisper folder, or a typo
+
+
+def test_an_unreadable_cache_is_one_error_naming_hf_home(tmp_path, monkeypatch):
+    """HF_HOME set to a regular file: huggingface_hub's token read raised NotADirectoryError
+    through every caller (a traceback for a run without --model); now a CheckpointError that
+    names the setting, which the default order takes as a cache miss."""
+    import huggingface_hub.constants as c
+
+    home = tmp_path / "hf_home"
+    home.write_text("")
+    for name, value in (("HF_HOME", home), ("HF_HUB_CACHE", home / "hub"), ("HF_TOKEN_PATH", home / "token")):
+        monkeypatch.setattr(c, name, str(value))
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("TRANSCRIBE_MODEL", raising=False)
+    with pytest.raises(CheckpointError, match=rf"^parakeet-tdt-0.6b-v2: cannot read the Hugging Face cache "
+                                              rf"\(HF_HOME={home}\): \[Errno 20\] Not a directory"):
+        resolve_checkpoint("parakeet-tdt-0.6b-v2")
+    assert choose_model(None) == BUNDLED
 
 
 @needs_shared
