@@ -863,3 +863,26 @@ def test_a_bad_model_from_the_environment_says_where_it_came_from(tmp_path, monk
     assert p.returncode == 1 and "cannot load model (from $TRANSCRIBE_MODEL):" in p.stderr, p.stderr
     p = run_cli(audio, "--out", str(tmp_path / "o"), "--model", str(tmp_path / "gone.nemo"))
     assert p.returncode == 1 and "cannot load model: " in p.stderr, p.stderr
+
+
+_CTRL_C_IN_IMPORTS = """
+import sys
+
+
+class CtrlC:  # a ^C landing while the CLI's imports run
+    def find_spec(self, name, path=None, target=None):
+        if name == "typer":
+            raise KeyboardInterrupt
+
+
+sys.meta_path.insert(0, CtrlC())
+from transcribe.__main__ import main
+main()
+"""
+
+
+def test_a_ctrl_c_during_the_imports_exits_130_without_a_traceback():
+    """The console script's target imports the CLI under a ^C guard: a ^C in its first tenth of
+    a second printed twenty lines of KeyboardInterrupt traceback."""
+    p = subprocess.run([sys.executable, "-c", _CTRL_C_IN_IMPORTS, "--help"], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (130, "", "")
