@@ -12,6 +12,12 @@ class DeviceError(ValueError):
     """An option this machine's device cannot run (a CUDA-only encoder backend or dtype on the
     CPU, bf16 on a CPU without it in hardware): said as it is, not as a model that cannot load."""
 
+
+class EngineBuildError(RuntimeError):
+    """TensorRT could not parse the ONNX, build the encoder engine or load a cached one (the GPU
+    lacks bf16, the builder ran out of memory, a damaged .plan): said as one error line."""
+
+
 ENCODER_BACKENDS = ("auto", "torch", "compile", "cuda-graphs", "tensorrt")
 # Encoder backends of chunked streaming (`transcribe serve`): its windows are short and their
 # shapes few, so TensorRT's engine build and torch.compile's are not offered there.

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from engines.choices import EngineBuildError
 from engines.conformer import ConformerEncoder
 from engines.encoder_backend import (ENGINE_CHECK_RTOL, BucketProfile, FallbackLog, bucket_edges, check_profiles,
                                      in_chunks, pick_profile, turned_off)
@@ -40,6 +41,13 @@ def _torch_dtype(trt, dtype) -> torch.dtype:
     if dtype not in table:
         raise ValueError(f"TensorRT engine tensor type {dtype} has no torch equivalent here")
     return table[dtype]
+
+
+def aligned(t: Tensor) -> Tensor:
+    """`t`, copied when its address is not a multiple of 256 bytes, which TensorRT requires of
+    every tensor address (setTensorAddress): a chunk of rows (`in_chunks`) is a view into its
+    batch, at any offset."""
+    return t if t.data_ptr() % 256 == 0 else t.clone()
 
 
 class TensorRTEncoder:
@@ -65,7 +73,7 @@ class TensorRTEncoder:
         with torch.cuda.device(self.device):
             self._engine = self._runtime.deserialize_cuda_engine(self.engine_path.read_bytes())
             if self._engine is None:
-                raise RuntimeError(f"TensorRT could not load {self.engine_path}: delete it to rebuild")
+                raise EngineBuildError(f"TensorRT could not load {self.engine_path}: delete it to rebuild")
             if self._engine.num_optimization_profiles != len(self.profiles):
                 raise ValueError(f"{self.engine_path} has {self._engine.num_optimization_profiles} profiles, "
                                  f"expected {len(self.profiles)}")
@@ -110,8 +118,8 @@ class TensorRTEncoder:
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
             # Converted on the current stream, before the engine's stream waits for it.
-            inputs = {"features": features.to(self._dtypes["features"]).contiguous(),
-                      "lengths": lengths.to(self._dtypes["lengths"]).contiguous()}
+            inputs = {"features": aligned(features.to(self._dtypes["features"]).contiguous()),
+                      "lengths": aligned(lengths.to(self._dtypes["lengths"]).contiguous())}
             self._stream.wait_stream(current)
             outputs = self._enqueue(profile, inputs, self._stream.cuda_stream)
             # Later work on the current stream (reading the outputs, reusing the freed inputs'

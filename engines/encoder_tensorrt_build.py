@@ -21,9 +21,12 @@ rename), so a build killed halfway never leaves a corrupt cache entry.
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from engines.choices import PRECISIONS
+from engines.choices import PRECISIONS, EngineBuildError
 from engines.encoder_backend import BucketProfile
 from transcribe.writers import FILE_MODE, atomic_write_bytes  # the one atomic write (temp, fsync, rename)
 
@@ -49,7 +52,7 @@ def import_tensorrt():
     """The `tensorrt` module, or TensorRTUnavailable naming the package and the extra."""
     try:
         import tensorrt
-    except ImportError as e:
+    except (ImportError, OSError) as e:  # OSError: an install whose libnvinfer cannot be loaded
         raise TensorRTUnavailable(f"the TensorRT encoder needs the `tensorrt` package ({e}): {TENSORRT_HINT}") from e
     return tensorrt
 
@@ -107,32 +110,73 @@ def model_digest(path: str | os.PathLike, cache_dir: str | os.PathLike) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     digest = h.hexdigest()
-    atomic_write_bytes(memo, digest.encode())
+    try:
+        atomic_write_bytes(memo, digest.encode())
+    except OSError:  # a read-only cache of prebuilt engines: their lookup needs no memo
+        pass
     return digest
 
 
 def export_onnx(nemo_path: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """The encoder of a `.nemo` as ONNX at `out` (on the CPU; the file appears atomically).
-    Models over 2 GB get their weights as external data files next to it (ONNX's limit)."""
+    """The encoder of a `.nemo` as ONNX at `out` (on the CPU), in place atomically. A model over
+    2 GB (ONNX's limit for one file) keeps its weights in one file beside it,
+    `<out name>.<8 hex>.data`, named by the .onnx and renamed into place before it, so an
+    .onnx never points at another export's weights; the data file of the export it replaced
+    is removed."""
     from engines.checkpoint import NemoArchive, pop_sub_state_dict
     from engines.conformer import EncoderConfig
     from engines.encoder_onnx import export_encoder, exportable_encoder
 
+    onnx = _import_onnx()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with NemoArchive(nemo_path) as archive:
         cfg = EncoderConfig.from_nemo(archive.config["encoder"])
         encoder = exportable_encoder(cfg, pop_sub_state_dict(archive.state_dict(), "encoder"))
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    try:
-        export_encoder(encoder, tmp, opset=OPSET)
-        os.chmod(tmp, FILE_MODE)  # mkstemp's 0600 would keep the file from a shared engine cache's users
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    # A folder of its own: torch writes a large model's weights as hundreds of files named by
+    # the graph (onnx__MatMul_6170), alike for every model of one architecture, so two exports
+    # into one folder overwrote each other's weights.
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        try:
+            export_encoder(encoder, Path(tmp) / "encoder.onnx", opset=OPSET)
+            done = _one_data_file(onnx, Path(tmp), "encoder.onnx", out)
+            for f in done:
+                os.chmod(f, FILE_MODE)  # mkdtemp's 0700 folder is left; the files keep the umask's mode
+            old_data = _data_files(out)
+            for f in done:  # the data first: the .onnx is the switch
+                os.replace(f, out.parent / f.name)
+        except OSError as e:
+            e.filename, e.filename2 = str(out), None  # the output's name, not the temporary's
+            raise
+    for stale in old_data - {f.name for f in done}:
+        (out.parent / stale).unlink(missing_ok=True)
     return out
+
+
+def _import_onnx():
+    try:
+        import onnx
+    except ImportError as e:  # torch's exporter needs it too
+        raise TensorRTUnavailable(f"ONNX export needs the `onnx` package ({e}): pip install 'transcribe[onnx]'") from e
+    return onnx
+
+
+def _one_data_file(onnx, folder: Path, name: str, out: Path) -> list[Path]:
+    """The export in `folder/name` as files to rename into `out`'s folder: `out.name` alone, or
+    (weights written as files of their own) with its weights in one data file. Last the .onnx."""
+    if os.listdir(folder) == [name]:
+        os.replace(folder / name, folder / out.name)
+        return [folder / out.name]
+    data = f"{out.name}.{os.urandom(4).hex()}.data"
+    model = onnx.load(str(folder / name))  # with its external weights
+    onnx.save_model(model, str(folder / out.name), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data)
+    return [folder / data, folder / out.name]
+
+
+def _data_files(onnx_path: Path) -> set[str]:
+    """The weight files of the export at `onnx_path` that `export_onnx` names, those there."""
+    return {f.name for f in onnx_path.parent.glob(f"{glob.escape(onnx_path.name)}.*.data")}
 
 
 def _keep_fp32(trt, network) -> int:
@@ -165,7 +209,7 @@ def build_engine(onnx_path: str | os.PathLike, spec: EngineSpec, workspace_bytes
     # parse_from_file, not parse(bytes): it resolves external weight files next to the ONNX.
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT could not parse {onnx_path}: {errors}")
+        raise EngineBuildError(f"TensorRT could not parse {onnx_path}: {errors}")
     config = builder.create_builder_config()
     if workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
@@ -186,7 +230,7 @@ def build_engine(onnx_path: str | os.PathLike, spec: EngineSpec, workspace_bytes
         _keep_fp32(trt, network)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise RuntimeError(f"TensorRT failed to build the encoder engine from {onnx_path} (see its log above)")
+        raise EngineBuildError(f"TensorRT failed to build the encoder engine from {onnx_path} (see its log above)")
     return plan
 
 
@@ -200,19 +244,35 @@ def engine_spec(nemo_path: str | os.PathLike, profiles: Sequence[BucketProfile],
 
 
 def ensure_engine(nemo_path: str | os.PathLike, profiles: Sequence[BucketProfile], n_mels: int, precision: str,
-                  cache_dir: str | os.PathLike | None = None, device=None) -> tuple[Path, bool]:
+                  cache_dir: str | os.PathLike | None = None, device=None,
+                  onnx_path: str | os.PathLike | None = None) -> tuple[Path, bool]:
     """The cached engine file for this model/GPU/TensorRT/precision/profiles, built first when
-    missing. Returns (path, built now)."""
+    missing (from `onnx_path` when the caller exported it already). Returns (path, built now).
+
+    One build per key at a time: a process that finds another building the same engine (shards
+    of one job, export-engine beside a run) waits for its lock and then finds the engine, where
+    both built it, each timing its tactics against the other's on one GPU. The build's ONNX
+    goes to a folder named by the key, so one left by a killed build is removed by the next."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     spec = engine_spec(nemo_path, profiles, n_mels, precision, cache_dir, device)
     path = spec.path(cache_dir)
     if path.is_file():
         return path, False
     cache_dir.mkdir(parents=True, exist_ok=True)
-    # The builder times its tactics on the current device: make it the one the key names.
-    with tempfile.TemporaryDirectory(prefix=".onnx-", dir=cache_dir) as tmp, torch.cuda.device(device):
-        plan = build_engine(export_onnx(nemo_path, Path(tmp) / "encoder.onnx"), spec)
-    atomic_write_bytes(path, plan)
-    meta = {**asdict(spec), "key": spec.key(), "format": ENGINE_FORMAT, "model": str(nemo_path)}
-    atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+    with open(cache_dir / f".{path.stem}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        if path.is_file():
+            return path, False  # built while this one waited
+        work = cache_dir / f".onnx-{path.stem}"
+        shutil.rmtree(work, ignore_errors=True)  # a killed build's
+        try:
+            onnx = Path(onnx_path) if onnx_path is not None else export_onnx(nemo_path, work / "encoder.onnx")
+            # The builder times its tactics on the current device: make it the one the key names.
+            with torch.cuda.device(device):
+                plan = build_engine(onnx, spec)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        atomic_write_bytes(path, plan)
+        meta = {**asdict(spec), "key": spec.key(), "format": ENGINE_FORMAT, "model": str(nemo_path)}
+        atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
     return path, True

@@ -310,10 +310,16 @@ def export_engine_cmd(
         req = ExportRequest(model, precision, cache_dir, onnx, onnx_only, batch_seconds=batch_seconds)
     except ValueError as e:
         raise fail(str(e), EXIT_USAGE)
+    from transcribe.signals import Interrupted, signals_raise
+
     try:
-        raise typer.Exit(export_engine(req, echo=lambda line: typer.echo(line, err=True)))
+        with signals_raise():  # SIGTERM too unwinds, removing the half-made ONNX (a batch job's time limit)
+            raise typer.Exit(export_engine(req, echo=lambda line: typer.echo(line, err=True)))
     except ExportError as e:
         raise fail(str(e), e.code)
+    except Interrupted as e:
+        typer.echo(f"interrupted by {e}: the unfinished ONNX or engine was not written", err=True)
+        raise typer.Exit(128 + e.signum)
 
 
 @sub_app.command(help="List the registry names `--model` accepts.")

@@ -38,7 +38,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     # Nothing imported before the model loads imports torch (test_cli checks it): a usage error
     # is said in a fraction of a second, not after torch's seconds of import.
     from engines.checkpoint import CheckpointError
-    from engines.choices import ENCODER_BACKENDS, DecodeMode, DeviceError
+    from engines.choices import ENCODER_BACKENDS, DecodeMode, DeviceError, EngineBuildError
     from engines.loader import OptionError, checked_model, settings_before_load
     from engines.whisper_languages import language_code
     from transcribe.audio_frontend import FEATURES_ON
@@ -119,7 +119,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
         raise fail(str(e), EXIT_USAGE)
     except DeviceError as e:  # the model is fine; this machine cannot run what was asked of it
         raise fail(f"cannot run on this device: {e}", EXIT_NOTHING_RAN)
-    except (CheckpointError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
+    except (CheckpointError, EngineBuildError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
         raise fail(f"cannot load model{chosen}: {e}", EXIT_NOTHING_RAN)
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do

@@ -76,7 +76,9 @@ def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> in
     from engines.checkpoint import CheckpointError, NemoArchive, resolve_checkpoint
     from engines.conformer import EncoderConfig
     from engines.encoder_backend import BackendOptions, feature_profiles
-    from engines.encoder_tensorrt_build import default_cache_dir, ensure_engine, export_onnx, model_digest
+    from engines.choices import EngineBuildError
+    from engines.encoder_tensorrt_build import (TensorRTUnavailable, default_cache_dir, ensure_engine, export_onnx,
+                                                model_digest)
     from transcribe.features import FeatureConfig
 
     if not req.onnx_only and req.onnx is None:
@@ -89,15 +91,19 @@ def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> in
     except (CheckpointError, ValueError, OSError) as e:
         raise ExportError(f"cannot load model: {e}") from e
     cache_dir = req.cache_dir or default_cache_dir()
+    onnx = None
     try:
         if req.onnx is not None or req.onnx_only:
             out = req.onnx or cache_dir / "onnx" / f"{nemo.stem}-{model_digest(nemo, cache_dir)[:16]}.onnx"
-            echo(f"encoder ONNX -> {export_onnx(nemo, out)}")
+            onnx = export_onnx(nemo, out)
+            echo(f"encoder ONNX -> {onnx}")
             if req.onnx_only:
                 return EXIT_OK
             _tensorrt_ready()
         profiles = feature_profiles(fcfg, BackendOptions(req.max_batch, req.batch_seconds, req.precision))
-        path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir)
+        path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir, onnx_path=onnx)
+    except (EngineBuildError, TensorRTUnavailable) as e:  # a failed build; TensorRT 11's or no onnx package
+        raise ExportError(str(e)) from e
     except OSError as e:  # an --onnx or --cache-dir that cannot be written (read-only, a file)
         verb = "read" if e.filename is not None and Path(e.filename) == nemo else "write"
         raise ExportError(f"cannot {verb} {e.filename or cache_dir}: {e.strerror or e}") from e
