@@ -131,6 +131,8 @@ def bench(
 
     file_path(json_path, "--json")
     out = folder_option(out_arg)
+    if out is not None:
+        _refuse_other_formats(out)
     t0 = time.perf_counter()
     files, engine, load_s, spares = prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
@@ -148,6 +150,23 @@ def bench(
         write_report(report, json_path)
     typer.echo(summary_line(report))
     raise typer.Exit(EXIT_SOME_FAILED if stats.files_failed else EXIT_OK)
+
+
+def _refuse_other_formats(out: Path) -> None:
+    """bench writes txt only, redoing every file (`force`): in a folder where transcribe wrote
+    json, srt or vtt its new lines listed none of them, so the next transcribe run redid
+    those formats and `merge` named only the txt files. Such a folder is refused, unread."""
+    from transcribe.resume import listed_outputs
+    from transcribe.writers import read_results
+
+    try:
+        records = read_results(out / "results.jsonl", notes=False)
+    except OSError:
+        return  # said where the run opens its log
+    other = next((p for r in records for p in listed_outputs(r) if not p.endswith(".txt")), None)
+    if other is not None:
+        raise fail(f"{out} holds a transcribe run's {Path(other).suffix} outputs ({other}), which bench, writing "
+                   "txt only, would leave unlisted in its results.jsonl: give bench another --out", EXIT_USAGE)
 
 
 @sub_app.command(help="Join the results.jsonl of shard runs (`--shard I/N --out DIR_I`) into --out/results.jsonl.\n\n"

@@ -186,7 +186,7 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
         # listed it (an `a.wav` of another input folder, same --out) would own it again and
         # vouch for the dropped file's transcript.
         owner = _owners(records)
-        records = {k: _without(r, {p for p in _listed(r) if owner[p] in wrong})
+        records = {k: _without(r, {p for p in listed_outputs(r) if owner[p] in wrong})
                    for k, r in records.items() if k not in wrong}
         atomic_write_text(log_path, "".join(results_line(r) for r in records.values()))
         twice = False
@@ -200,7 +200,7 @@ def _owners(records: dict[Path, dict]) -> dict[str, Path]:
     """Each output to the key of the last line (`latest`) that lists it: a later run that gave
     its name to another file (an `a.wav` of another input folder, into the same --out) wrote
     over it."""
-    return {p: key for key, r in records.items() for p in _listed(r)}
+    return {p: key for key, r in records.items() for p in listed_outputs(r)}
 
 
 def _without(record: dict, outputs: set[str]) -> dict:
@@ -243,7 +243,7 @@ def _done(records: dict[Path, dict], by_key: dict, out_dir: Path, identities: di
                 done.add(key)
                 continue
             ours, named = {p.as_posix() for p in wanted}, {p.as_posix() for p in names(f)}
-            kept[key] = [p for p in _listed(r) if p not in ours and p in named
+            kept[key] = [p for p in listed_outputs(r) if p not in ours and p in named
                          and owner.get(p) == key and (out_dir / p).exists()]
     return done, kept
 
@@ -271,11 +271,11 @@ def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: s
 
 def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:
     """Every one of `outputs` exists and, where the line lists its outputs, is one of them."""
-    listed = None if record.get("outputs") is None else _listed(record)
+    listed = None if record.get("outputs") is None else listed_outputs(record)
     return all((out_dir / p).exists() and (listed is None or p.as_posix() in listed) for p in outputs)
 
 
-def _listed(record: dict) -> list[str]:
+def listed_outputs(record: dict) -> list[str]:
     """A line's `outputs` that are paths; none when it is not a list (a hand-edited `5` made
     every later run of the folder a TypeError, a string was searched for substrings)."""
     outputs = record.get("outputs")
