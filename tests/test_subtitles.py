@@ -190,6 +190,22 @@ def test_a_segment_of_no_length_is_shown_in_the_silence_around_its_time():
     assert (round(b.start, 3), round(b.end, 3)) == (2.0, 3.0)
 
 
+def test_words_joined_to_the_next_cue_are_cut_again_when_they_overfill_it():
+    """A zero-length segment between cues that meet at its time joins the next cue: ten words
+    of it made one cue of two 69-character lines, past the two lines of 42 a cue holds. The
+    joined cue is cut again, its time shared among the parts."""
+    ten = " ".join(f"word{k:02d}x" for k in range(10))
+    after = "and the words after it here"
+    result = _plain((0.0, 5.0, "before the pause"), (5.0, 5.0, ten), (5.0, 10.0, after))
+    got = _spans(result)
+    assert [t for _, _, t in got] == ["before the pause", ten, after]
+    assert got[1][0] == 5.0 and got[-1][1] == 10.0 and got[1][1] == got[2][0] and 5.0 < got[1][1] < 10.0
+    assert all(len(c.lines) <= 2 and max(map(len, c.lines)) <= MAX_LINE_CHARS for c in cues(result))
+    # Joined words that still fit stay one cue, with its times.
+    assert _spans(_plain((0.0, 5.0, "before"), (5.0, 5.0, "two words"), (5.0, 10.0, "after"))) == [
+        (0.0, 5.0, "before"), (5.0, 10.0, "two words after")]
+
+
 def test_a_last_cue_of_no_length_stays_within_the_audio():
     """The last cue has only the audio's end after it, not all time: the rnnt_tiny fixture on
     the 816.105 s 100utt_concat file gave a last cue 816.010-817.010, past the file's end,

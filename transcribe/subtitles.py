@@ -145,10 +145,11 @@ def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) 
     file (a zero-length time is where its words were capped, or where its word was) and no
     other cue moves. With no silence on either side (cues meeting at its time), its words
     join the cue after it, which begins at that time: no words are lost and no time is made
-    up for them, at the cost of a fuller cue. The first cue has from `begin`, the last until
+    up for them, at the cost of a fuller cue (cut again if it no longer fits, `_refit`). The first cue has from `begin`, the last until
     `end` (the audio's start and end: a cue outside them shows words over audio that is not
     theirs, or outlasts the file); at the end with no room, it joins the cue before."""
     out: list[_Draft] = []
+    joined: set[int] = set()  # ids of the drafts that took in another's words
     for i, d in enumerate(drafts):
         if _ms(d.end) == _ms(d.start):
             before = out[-1].end if out else min(begin, d.start)
@@ -159,12 +160,31 @@ def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) 
             if _ms(d.end) == _ms(d.start):  # no room on either side
                 if i + 1 < len(drafts):
                     drafts[i + 1].tokens = d.tokens + drafts[i + 1].tokens
+                    joined.add(id(drafts[i + 1]))
                     continue
                 if out:  # the last, where the audio and the cue before end
                     out[-1].tokens += d.tokens
+                    joined.add(id(out[-1]))
                     continue
         out.append(d)
-    return out
+    return [part for d in out for part in (_refit(d) if id(d) in joined and _overfull(d.tokens) else [d])]
+
+
+def _overfull(tokens: list[_Token]) -> bool:
+    """More words than two lines hold: `wrap` made a line too long (one that a single word
+    overfills is a cue of its own once cut again)."""
+    return len(tokens) > 1 and max(_Token(line, 0.0, 0.0).columns for line in wrap(tokens)) > MAX_LINE_CHARS
+
+
+def _refit(d: _Draft) -> list[_Draft]:
+    """A cue that took in a zero-length one's words, cut again where it no longer fits two
+    lines (`_cut`), its time shared among the parts by their width: the joined words have no
+    time of their own to show them by."""
+    groups = _cut(d.tokens)
+    widths = [len(_join(g)) for g in groups]
+    edges = [d.start + (d.end - d.start) * sum(widths[:k]) / sum(widths) for k in range(len(groups) + 1)]
+    edges[-1] = d.end
+    return [_Draft(a, b, g) for a, b, g in zip(edges, edges[1:], groups)]
 
 
 def _timed_tokens(segments, words) -> list[list[_Token]] | None:

@@ -46,10 +46,16 @@ def write_json(result) -> str:
 
 def write_srt(result) -> str:
     blocks = [
-        f"{i}\n{_clock(c.start, ',')} --> {_clock(c.end, ',')}\n" + "\n".join(c.lines) + "\n"
+        f"{i}\n{_clock(c.start, ',')} --> {_clock(c.end, ',')}\n" + "\n".join(map(_srt_text, c.lines)) + "\n"
         for i, c in enumerate(cues(result), 1)
     ]
     return "\n".join(blocks)
+
+
+def _srt_text(line: str) -> str:
+    """SubRip cue text: it has no escapes, and readers take a line holding `-->` for the next
+    cue's times, so the arrow is written shorter."""
+    return line.replace("-->", "->")
 
 
 def _vtt_text(line: str) -> str:
