@@ -18,6 +18,15 @@ class EngineBuildError(RuntimeError):
     lacks bf16, the builder ran out of memory, a damaged .plan): said as one error line."""
 
 
+# Chunked streaming of offline-trained models: NeMo's script defaults (chunk_secs=2,
+# left_context_secs=10, right_context_secs=2), also its README's recommended "streaming with 4 s
+# latency" setting for offline-trained Parakeet.
+DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS = 2000, 10000, 2000
+# The most audio one window (left + chunk + right) may hold: each step re-encodes it, with
+# attention quadratic in it, and offline pieces are 40 s at most. A left context of 1e12 ms
+# walked every chunk position at startup until the machine ran out of memory.
+MAX_WINDOW_MS = 300_000
+
 ENCODER_BACKENDS = ("auto", "torch", "compile", "cuda-graphs", "tensorrt")
 # Encoder backends of chunked streaming (`transcribe serve`): its windows are short and their
 # shapes few, so TensorRT's engine build and torch.compile's are not offered there.

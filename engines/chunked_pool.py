@@ -44,9 +44,6 @@ from engines.stream_pool import pad_features
 from engines.transducer import TransducerDecoder
 from transcribe.features import FeatureConfig, LogMel
 
-# NeMo's script defaults (chunk_secs=2, left_context_secs=10, right_context_secs=2), also its
-# README's recommended "streaming with 4 s latency" setting for offline-trained Parakeet.
-DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS = 2000, 10000, 2000
 # Window widths a pool's encoder is bucketed on at most (captured graphs: this many per batch
 # size). NeMo's 2/10/2 s chunking has 6 distinct widths; a short chunk with a long left context
 # has many more, and those share the next bucket up (padding, masked).

@@ -35,7 +35,14 @@ def test_option_values_that_cannot_work_are_usage_errors():
                  ("serve", "--model", MODEL, "--device", "bogus"),
                  ("serve", "--model", MODEL, "--dtype", "bogus"),
                  ("serve", "--model", MODEL, "--log-level", "loud"),
-                 ("serve", "--model", MODEL, "--encoder-backend", "tensorrt")):
+                 ("serve", "--model", MODEL, "--encoder-backend", "tensorrt"),
+                 # a window past MAX_WINDOW_MS: 1e12 walked every chunk position until the OOM
+                 # killer came; 1e300 overflowed in torch ("error: Overflow ...", exit 1)
+                 ("stream", audio, "--model", MODEL, "--left-context-ms", "1e12"),
+                 ("stream", audio, "--model", MODEL, "--chunk-ms", "1e300"),
+                 ("serve", "--model", MODEL, "--right-context-ms", "299000"),
+                 ("serve", "--model", MODEL, "--port", "4567", "--ws-port", "4567"),  # was "address already in use"
+                 ("stream", "-", "--model", MODEL)):  # was "-: no such file"
         p = _cli(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)
 
@@ -217,3 +224,37 @@ def test_realtime_streaming_takes_as_long_as_the_audio_and_no_longer():
     audio = SPEECH / "jfk" / "jfk.flac"  # 11.0 s: a 4 s piece, then 4 s, then 3 s
     summary = stream_file(audio, MODEL, realtime=True, piece_ms=4000, echo=lambda line: None)
     assert summary["audio_seconds"] - 0.05 <= summary["wall_seconds"] < summary["audio_seconds"] + 0.8, summary
+
+
+def test_a_stdout_that_takes_nothing_is_named_as_such():
+    """A full disk or a closed pipe on standard output was "error: [Errno 28] No space left
+    on device", as if the audio file were at fault."""
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "transcribe.cli", "stream", str(SPEECH / "jfk" / "jfk.flac"),
+                            "--model", MODEL], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr.endswith(
+        "error: cannot write the transcript to standard output: No space left on device\n"), p.stderr
+
+
+def test_pieces_of_a_decoders_blocks_are_the_files_samples_cut_evenly():
+    """`stream` reads the file as it feeds it: the pieces are those of the whole file cut at
+    every `size` samples, whatever blocks the decoder hands out."""
+    from transcribe.streaming.cli_commands import _pieces
+
+    rng = np.random.default_rng(0)
+    audio = rng.standard_normal(10_007).astype(np.float32)
+    for size in (1, 160, 1600, 10_007, 20_000):
+        cuts = np.sort(rng.choice(np.arange(1, len(audio)), size=6, replace=False))
+        got = list(_pieces(iter(np.split(audio, cuts)), size))
+        want = [audio[i:i + size] for i in range(0, len(audio), size)]
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), size
+
+
+def test_steps_count_pool_steps_not_a_final_that_came_alone():
+    """With 10 ms pieces the last chunk is stepped before the stream ends, and the final comes
+    in a call of its own: that call ran no step, and the summary said 5 steps where 4 ran."""
+    from transcribe.streaming.cli_commands import stream_file
+
+    audio = SPEECH / "librispeech_test_other" / "1688" / "1688-142285-0004.flac"
+    steps = {ms: stream_file(audio, MODEL, piece_ms=ms, echo=lambda line: None)["steps"] for ms in (10, 100)}
+    assert steps == {10: 4, 100: 4}, steps

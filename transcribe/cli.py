@@ -9,6 +9,7 @@ shell reports it), with every file finished so far written; rerunning the comman
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -229,6 +230,19 @@ def _refuse_whisper(model: str) -> None:
         raise fail(str(e), EXIT_USAGE)
 
 
+class _StdoutError(Exception):
+    """Standard output took no more (a closed pipe, a full disk): said as that, not as the file's."""
+
+
+def _to_stdout(line: str) -> None:
+    try:
+        typer.echo(line)
+    except OSError as e:
+        # Python flushes stdout once more on its way out, and a broken pipe would say so again.
+        sys.stdout = open(os.devnull, "w")
+        raise _StdoutError() from e
+
+
 @sub_app.command(help="Stream one audio file through a streaming model, printing the transcript as it grows (segments, partials, final).")
 def stream(
     file_arg: str = typer.Argument(..., metavar="FILE", help="Audio file."),
@@ -241,6 +255,8 @@ def stream(
     right_ms: Optional[float] = typer.Option(None, "--right-context-ms", help="Offline-trained models: lookahead (default 2000); latency = chunk + right."),
 ) -> None:
     refuse_empty([file_arg], "FILE", "file")  # Path("") would be ".": the working folder
+    if file_arg == "-":
+        raise fail("FILE '-': standard input is not read; give a file (live audio: `transcribe serve`)", EXIT_USAGE)
     path = Path(file_arg)
     check_streaming(chunk_ms, left_ms, right_ms)  # before torch's seconds of import
     _refuse_whisper(model)
@@ -250,10 +266,13 @@ def stream(
 
     log_to_stderr(LOG_LEVELS["info"], "%(message)s")  # the chunking line, before the transcript
     try:
-        summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=typer.echo,
+        summary = stream_file(path, model, realtime=realtime, piece_ms=piece_ms, as_json=as_json, echo=_to_stdout,
                               chunk_ms=chunk_ms, left_ms=left_ms, right_ms=right_ms)
     except OptionError as e:  # chunking options this model does not take
         raise fail(str(e), EXIT_USAGE)
+    except _StdoutError as e:
+        raise fail(f"cannot write the transcript to standard output: {e.__cause__.strerror or e.__cause__}",
+                   EXIT_NOTHING_RAN)
     except (AudioError, ValueError, OSError) as e:
         raise fail(str(e), EXIT_NOTHING_RAN)
     typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx {summary['rtfx']:.1f}, "
@@ -289,7 +308,11 @@ def serve(
     check_choice("--encoder-backend", encoder_backend, STREAM_BACKENDS, "serve takes")
     check_runtime(device, dtype)
     check_streaming(chunk_ms, left_ms, right_ms)
+    if ws_port == port and port != 0:
+        raise fail(f"--ws-port {ws_port} is --port's too: give each protocol a port of its own", EXIT_USAGE)
     _refuse_whisper(model)
+    import socket
+
     from engines.loader import OptionError
     from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
@@ -302,6 +325,8 @@ def serve(
                             log_level=log_level.lower(), encoder_backend=encoder_backend)
     except OptionError as e:  # chunking options this model does not take
         raise fail(str(e), EXIT_USAGE)
+    except socket.gaierror as e:
+        raise fail(f"--host {host}: {e.strerror}", EXIT_NOTHING_RAN)
     except (ValueError, OSError) as e:
         raise fail(str(e), EXIT_NOTHING_RAN)
     raise typer.Exit(status)  # 128 + SIGINT / SIGTERM, as the other commands report it; 1: the engine failed

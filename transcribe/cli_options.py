@@ -143,9 +143,17 @@ def check_runtime(device: str, dtype: str) -> None:
 
 
 def check_streaming(chunk_ms: Optional[float], left_ms: Optional[float], right_ms: Optional[float]) -> None:
-    """The chunking options of `stream` and `serve`: finite, chunks longer than nothing."""
+    """The chunking options of `stream` and `serve`: finite, chunks longer than nothing, a
+    window (left + chunk + right, defaults for those not given) of at most MAX_WINDOW_MS."""
+    from engines.choices import DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, MAX_WINDOW_MS
+
     for option, value, least in (("--chunk-ms", chunk_ms, 1e-9), ("--left-context-ms", left_ms, 0.0),
                                  ("--right-context-ms", right_ms, 0.0)):
         if value is not None and not (math.isfinite(value) and value >= least):
             need = "> 0" if least else ">= 0"
             raise fail(f"{option} {value}: expected a number of milliseconds {need}", EXIT_USAGE)
+    window = sum(d if v is None else v for v, d in ((chunk_ms, DEFAULT_CHUNK_MS), (left_ms, DEFAULT_LEFT_MS),
+                                                     (right_ms, DEFAULT_RIGHT_MS)))
+    if window > MAX_WINDOW_MS:
+        raise fail(f"--left-context-ms + --chunk-ms + --right-context-ms: {window:g} ms, expected at most "
+                   f"{MAX_WINDOW_MS} (each step re-encodes that window)", EXIT_USAGE)

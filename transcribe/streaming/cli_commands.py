@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -69,41 +69,61 @@ def stream_file(path: str | Path, model: str, realtime: bool = False, piece_ms: 
 
     _check_path(path)  # a missing or empty file is said before a big model's minute of loading
     sm = load_streaming_model(model, chunk_ms, left_ms, right_ms)
-    with AudioStream(path, sm.sample_rate) as source:  # the offline decoder: same checks, PyAV for m4a
-        audio = np.concatenate(list(source.blocks()))
     sched = Scheduler(sm, SchedulerConfig(max_streams=1))
     session = sched.open(Path(path).name)
     piece = max(int(piece_ms * sm.sample_rate / 1000), 1)
     step_ms: list[float] = []
-    t0 = time.perf_counter()
     pos = 0
     final = None
-    while session.state == SessionState.ACTIVE:
-        if pos < audio.shape[0]:
-            if realtime:
-                time.sleep(max(t0 + min(pos + piece, audio.shape[0]) / sm.sample_rate - time.perf_counter(), 0.0))
-            session.push_audio(audio[pos: pos + piece])
-            pos += piece
-            if pos >= audio.shape[0]:
+    # Read as it is fed (the offline decoder: same checks, PyAV for m4a): a long file was
+    # decoded whole first, two float32 copies of it in memory, before its first partial.
+    with AudioStream(path, sm.sample_rate) as source:
+        pieces = _pieces(source.blocks(), piece)
+        t0 = time.perf_counter()
+        ahead = next(pieces, None)
+        while session.state == SessionState.ACTIVE:
+            if ahead is not None:
+                if realtime:
+                    time.sleep(max(t0 + (pos + len(ahead)) / sm.sample_rate - time.perf_counter(), 0.0))
+                session.push_audio(ahead)
+                pos += len(ahead)
+                ahead = next(pieces, None)
+                if ahead is None:
+                    session.end()
+            elif not session.ended:
                 session.end()
-        elif not session.ended:
-            session.end()
-        ts = time.perf_counter()
-        out = sched.run_once()
-        if out:
-            step_ms.append(1000 * (time.perf_counter() - ts))
-        for _, update in out:
-            for msg in P.update_messages(session.stream_id, update, session.covered_seconds):
-                _print_message(echo, msg, as_json)
-            final = update.final or final
+            ts, steps = time.perf_counter(), sched.steps
+            out = sched.run_once()
+            if sched.steps > steps:
+                step_ms.append(1000 * (time.perf_counter() - ts))
+            for _, update in out:
+                for msg in P.update_messages(session.stream_id, update, session.covered_seconds):
+                    _print_message(echo, msg, as_json)
+                final = update.final or final
     wall = time.perf_counter() - t0
-    seconds = audio.shape[0] / sm.sample_rate
+    seconds = pos / sm.sample_rate
     return {
         "text": final.text, "words": [w.__dict__ for w in final.words], "audio_seconds": seconds,
         "wall_seconds": wall, "rtfx": seconds / wall if wall > 0 else None, "steps": len(step_ms),
         "step_ms_p50": float(np.percentile(step_ms, 50)) if step_ms else None,
         "step_ms_max": max(step_ms) if step_ms else None,
     }
+
+
+def _pieces(blocks: Iterator[np.ndarray], size: int) -> Iterator[np.ndarray]:
+    """The decoder's blocks of samples as pieces of `size` samples (the last one shorter)."""
+    held: list[np.ndarray] = []
+    n = 0
+    for block in blocks:
+        held.append(block)
+        n += len(block)
+        if n >= size:
+            joined = np.concatenate(held)
+            cut = len(joined) - len(joined) % size
+            yield from (joined[i:i + size] for i in range(0, cut, size))
+            held, n = [joined[cut:]], len(joined) - cut
+    if n:
+        yield np.concatenate(held)
 
 
 def _print_message(echo, msg: dict, as_json: bool) -> None:

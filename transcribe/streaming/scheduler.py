@@ -23,9 +23,8 @@ from typing import Sequence
 
 import torch
 
-from engines.choices import STREAM_BACKENDS
-from engines.chunked_pool import (DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, ChunkContext,
-                                  ChunkedStreamPool, ChunkWindow, window_profiles)
+from engines.choices import DEFAULT_CHUNK_MS, DEFAULT_LEFT_MS, DEFAULT_RIGHT_MS, STREAM_BACKENDS
+from engines.chunked_pool import ChunkContext, ChunkedStreamPool, ChunkWindow, window_profiles
 from engines.decode_stages import Hypothesis
 from engines.encoder_backend import make_backend, resolve_backend
 from engines.loader import OptionError
@@ -212,6 +211,7 @@ class Scheduler:
         self._deferred: list[int] = []
         self._admitted: list[SessionBase] = []  # WAITING -> ACTIVE since take_admitted()
         self._failed: list[tuple[SessionBase, Exception]] = []  # closed by their own error (take_failed)
+        self.steps = 0  # pool steps `run_once` ran (a call that only finished ended streams runs none)
 
     def open(self, stream_id: str) -> SessionBase:
         """A new session, ACTIVE with a slot or WAITING in the queue; Busy if both are full;
@@ -343,6 +343,7 @@ class Scheduler:
         sessions, chunks = self.collect()
         self._raise_failed()
         out = self.apply(sessions, self.pool.step(chunks)) if chunks else []
+        self.steps += bool(chunks)
         out += self.finish_idle()
         self._raise_failed()
         return out
