@@ -295,12 +295,13 @@ class ParakeetEngine:
         return x, lengths
 
     @torch.inference_mode()
-    def transcribe_features(self, pieces: list[torch.Tensor], languages: list[str | None] | None = None
-                            ) -> list[Result]:
+    def transcribe_features(self, pieces: list[torch.Tensor], languages: list[str | None] | None = None,
+                            after_pause: list[bool] | None = None) -> list[Result]:
         """Per-piece frontend output, float32: features [n_mels, F_i], or audio [1, T_i] with
         features on the device (views are fine: they are copied into the batch before this
         returns) -> one Result per piece. languages: ignored, a transducer takes no language
-        prompt (`detects_language` is False)."""
+        prompt (`detects_language` is False); after_pause: ignored, its word times are its
+        frames'."""
         feats, flen = self._encoder_input(pieces)
         t = time.perf_counter()
         enc, elen = self._encode(feats, flen)

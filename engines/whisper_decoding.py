@@ -190,21 +190,24 @@ class GreedyDecoder:
 
     @torch.inference_mode()
     def decode(self, mel: Tensor, frames: list[int] | None = None, words: bool = False,
-               languages: list[str | None] | None = None) -> list[WindowResult]:
+               languages: list[str | None] | None = None, after_pause: list[bool] | None = None
+               ) -> list[WindowResult]:
         """mel: [B, n_mels, 3000] -> one WindowResult per window (same order). words: also word
         times (`whisper_alignment`), for which frames gives each window's mel frames of real
         audio (None: all 3000). languages: a window's language where it is known already (its
-        file's, `start`), None where it is to be detected."""
+        file's, `start`), None where it is to be detected. after_pause: the windows that begin
+        in a pause after earlier speech (`whisper_words.window_words`; None: none do)."""
         t = time.perf_counter()
         audio = self.model.encoder(mel.to(self.device))
         self.stage_seconds.lap("encoder", t)
-        return self.decode_audio(audio, frames, words, languages)
+        return self.decode_audio(audio, frames, words, languages, after_pause)
 
     @torch.inference_mode()
     def decode_audio(self, audio: Tensor, frames: list[int] | None = None, words: bool = False,
-                     languages: list[str | None] | None = None) -> list[WindowResult]:
+                     languages: list[str | None] | None = None, after_pause: list[bool] | None = None
+                     ) -> list[WindowResult]:
         """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use (see
-        `decode` for frames, words and languages). The cross K/V projection, the prompt and the word
+        `decode` for frames, words, languages and after_pause). The cross K/V projection, the prompt and the word
         alignment run with all threads (the projection, [1500, d] rows per window and layer: 1.3 s
         with 1 thread, 0.8 s with 2 for 16 windows of base, measured as one GEMM a layer), the
         token loop with `cpu_threads`."""
@@ -224,17 +227,17 @@ class GreedyDecoder:
                                                                      [r.tokens for r in eager]):
                 results, order, cross_k, cross_v = eager, eager_order, cache.cross_k, cache.cross_v
         self.stage_seconds.lap("decoder", t)
-        return self.finish(results, cross_k, cross_v, order, frames, words)
+        return self.finish(results, cross_k, cross_v, order, frames, words, after_pause)
 
     def finish(self, results: list[WindowResult], cross_k: Tensor, cross_v: Tensor, order: list[int],
-               frames: list[int], words: bool) -> list[WindowResult]:
+               frames: list[int], words: bool, after_pause: list[bool] | None = None) -> list[WindowResult]:
         """The greedy results -> after the temperature fallback, and with word times when
         `words`; both read the audio from the cross K/V rows (`add_words` for the layout)."""
         t = time.perf_counter()
         results = self.fallback.redecode(results, cross_k, cross_v, order)
         t = self.stage_seconds.lap("fallback", t)
         if words:
-            results = self.add_words(results, cross_k, cross_v, order, frames)
+            results = self.add_words(results, cross_k, cross_v, order, frames, after_pause)
             self.stage_seconds.lap("words", t)
         return results
 
@@ -385,7 +388,7 @@ class GreedyDecoder:
         return tuple((s.start, s.end, text) for s, text in zip(segments, texts) if text)
 
     def add_words(self, results: list[WindowResult], cross_k: Tensor, cross_v: Tensor, order: list[int],
-                  frames: list[int]) -> list[WindowResult]:
+                  frames: list[int], after_pause: list[bool] | None = None) -> list[WindowResult]:
         """Word times for every window with text (`whisper_alignment`, `whisper_words`); row r of
         cross_k / cross_v [layers, rows, heads, T_audio, d/heads] holds window order[r]'s audio
         (-1: none); frames: mel frames of real audio per window. Segment times move to their
@@ -402,7 +405,7 @@ class GreedyDecoder:
             res = results[w]
             lps = [lp for t, lp in zip(res.tokens, res.token_logprobs) if t < eot]
             segments, words = window_words(split_segments(res.tokens, self.tok), starts[r], lps, self.tok,
-                                           res.language)
+                                           res.language, after_pause=bool(after_pause and after_pause[w]))
             out[w] = replace(res, segments=self._segments(segments),
                              words=tuple((x.start, x.end, x.word.strip(), x.probability) for ws in words for x in ws))
         return out

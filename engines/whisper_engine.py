@@ -298,7 +298,8 @@ class WhisperEngine:
         return self.transcribe_features([torch.from_numpy(self.frontend(p)) for p in checked_pieces(pieces)])
 
     def transcribe_features(self, features: list[torch.Tensor], languages: list[str | None] | None = None,
-                            continuations: int = CONTINUATIONS, tails: bool = False) -> list[Result]:
+                            after_pause: list[bool] | None = None, continuations: int = CONTINUATIONS,
+                            tails: bool = False) -> list[Result]:
         """Per-piece `WhisperFrontend` features -> one Result per piece (segment times in s).
 
         Longest first, as `decode_windows`: rows then finish roughly from the last one up, and
@@ -306,8 +307,10 @@ class WhisperEngine:
         (`SILENCE_LOG_MEL`) gets an empty result without being decoded; a piece whose text
         stops short of its audio is decoded on from its last timestamp (`_decode_tails`), in
         the piece's language. languages: with `detects_language`, a piece's language where its
-        file's is known (None: detect it), as `Engine.transcribe_features` says."""
+        file's is known (None: detect it), as `Engine.transcribe_features` says, as is after_pause
+        (`whisper_words.window_words`)."""
         languages = languages or [None] * len(features)
+        after_pause = after_pause or [False] * len(features)
         lead = [_digital_silence_lead(f) for f in features]
         features = [f[:, n:] if n else f for f, n in zip(features, lead)]
         # A silent piece names the language it would have been decoded in, as a decoded one does.
@@ -325,7 +328,8 @@ class WhisperEngine:
             frames = [audio_frames(round(s * SAMPLE_RATE)) for s in seconds]
             self.stage_seconds.lap("batch", t0)
             results = self.decoder.decode(mel, frames, words=self.word_timestamps,
-                                          languages=[languages[i] for i in idx])
+                                          languages=[languages[i] for i in idx],
+                                          after_pause=[after_pause[i] for i in idx])
             for i, sec, res in zip(idx, seconds, results):
                 if tails and (res.no_speech_prob > TAIL_NO_SPEECH or sec < SHORT_TAIL_SECONDS and (
                         res.no_speech_prob > SHORT_TAIL_NO_SPEECH or res.avg_logprob < SHORT_TAIL_LOGPROB)):
@@ -359,8 +363,8 @@ class WhisperEngine:
             if float(tail.amax()) > SILENCE_LOG_MEL:
                 tails.append(tail)
                 where.append((i, end))
-        decoded = self.transcribe_features(tails, [out[i].language for i, _ in where], continuations - 1,
-                                           tails=True) if tails else []
+        decoded = self.transcribe_features(tails, [out[i].language for i, _ in where],
+                                           continuations=continuations - 1, tails=True) if tails else []
         for (i, end), more in zip(where, decoded):
             if more.text:
                 more = shift(more, end)

@@ -18,6 +18,7 @@ avoids.
 """
 from __future__ import annotations
 
+import math
 import string
 from dataclasses import dataclass
 
@@ -101,10 +102,17 @@ def split_words(tokens: list[int], tok: WhisperTokenizer, language: str | None) 
 
 
 def window_words(segments: list[WindowSegment], token_starts: np.ndarray, token_logprobs: list[float],
-                 tok: WhisperTokenizer, language: str | None) -> tuple[list[WindowSegment], list[list[WindowWord]]]:
+                 tok: WhisperTokenizer, language: str | None, after_pause: bool = False
+                 ) -> tuple[list[WindowSegment], list[list[WindowWord]]]:
     """Segments of one window + the start of each of its text tokens and of the <|endoftext|>
     after them (seconds, `Aligner.token_starts`) + each text token's log-probability ->
-    (segments with times moved to their words, the words of each segment)."""
+    (segments with times moved to their words, the words of each segment).
+
+    after_pause: the window begins in a pause that follows earlier speech (a later piece of a
+    long file, cut in a pause): its first word counts as following a pause, as OpenAI's does
+    with the last speech of the window before; counted from the window's start (as for a
+    file's first window), the stretched first word kept its start at the cut, 0.15-0.67 s
+    before the speech on the long-form joins."""
     text = [t for s in segments for t in s.tokens]
     if len(token_starts) != len(text) + 1 or len(token_logprobs) != len(text):
         raise ValueError(f"{len(text)} text tokens, {len(token_starts)} start times, {len(token_logprobs)} log-probs")
@@ -117,7 +125,7 @@ def window_words(segments: list[WindowSegment], token_starts: np.ndarray, token_
         first = last
     median, longest = _cut_long_words(words)
     _merge_punctuations(words)
-    return _fit_segments(segments, words, median, longest)
+    return _fit_segments(segments, words, median, longest, -math.inf if after_pause else 0.0)
 
 
 def _cut_long_words(words: list[WindowWord]) -> tuple[float, float]:
@@ -160,9 +168,10 @@ def _merge_punctuations(words: list[WindowWord]) -> None:
 
 
 def _fit_segments(segments: list[WindowSegment], words: list[WindowWord], median: float,
-                  longest: float) -> tuple[list[WindowSegment], list[list[WindowWord]]]:
-    """Deal the words out to the segments by token count, then OpenAI's segment-boundary rules."""
-    out_segments, out_words, k, last_speech = [], [], 0, 0.0
+                  longest: float, last_speech: float = 0.0) -> tuple[list[WindowSegment], list[list[WindowWord]]]:
+    """Deal the words out to the segments by token count, then OpenAI's segment-boundary rules
+    (`last_speech`: where speech before the window ended, seconds from its start)."""
+    out_segments, out_words, k = [], [], 0
     for seg in segments:
         mine, taken = [], 0
         while k < len(words) and taken < len(seg.tokens):

@@ -402,7 +402,7 @@ def test_a_batch_the_model_fails_on_runs_again_in_halves(tmp_path, monkeypatch, 
 
     real, calls = engine.transcribe_features, []
 
-    def fragile(views, languages=None):
+    def fragile(views, languages=None, after_pause=None):
         if not calls:
             time.sleep(1.0)  # let the worker fill the slab: the next batches are big
         calls.append((len(views), len(views) * max(v.shape[1] for v in views)))  # rows x frames
@@ -454,7 +454,7 @@ def test_a_model_that_detects_the_language_detects_it_once_per_file(tmp_path, mo
     engine.detects_language = True
     real, calls, first_frames = engine.transcribe_features, [], set()
 
-    def detecting(views, languages=None):
+    def detecting(views, languages=None, after_pause=None):
         rows = [(v.shape[1], lang) for v, lang in zip(views, languages)]
         calls.append(rows)
         results = real(views, languages)
@@ -520,7 +520,7 @@ def test_an_unsure_first_piece_waits_for_a_sure_one_and_is_decoded_again_in_its_
     engine.detects_language = True
     real, calls, probes = engine.transcribe_features, [], []
 
-    def detecting(views, languages=None):
+    def detecting(views, languages=None, after_pause=None):
         rows = [(v.shape[1], lang) for v, lang in zip(views, languages)]
         calls.append(rows)
         out = []

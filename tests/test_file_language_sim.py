@@ -72,7 +72,7 @@ class FakeEngine:
     def __init__(self, nature, calls):
         self.nature, self.calls = nature, calls  # (fid, index, n_mels) -> what it is
 
-    def transcribe_features(self, views, languages):
+    def transcribe_features(self, views, languages, after_pause=None):
         keys = [v.shape for v in views]  # shape (1, key) encodes the piece
         out = []
         for (_, key), lang in zip(keys, languages):

@@ -289,7 +289,7 @@ def test_short_tails_are_kept_only_when_clearly_speech():
         decoded = iter([window("Main.", 10.0 - tail), window("Tail.", tail - 0.1, logprob, no_speech)])
         decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
                                   stage_seconds=StageTimes("cpu"),
-                                  decode=lambda mel, frames, words, languages: [next(decoded) for _ in frames])
+                                  decode=lambda mel, frames, words, languages, after_pause=None: [next(decoded) for _ in frames])
         out = WhisperEngine(decoder).transcribe_features([torch.zeros(80, 1000)])[0]  # 10 s of sound
         assert out.text == ("Main. Tail." if kept else "Main."), (tail, logprob, no_speech)
 
@@ -319,7 +319,7 @@ def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
                     window([ts(0.0), 101, 102, ts(14.0)], [(0.0, 0.38, "Bă,", 0.3), (0.38, 7.16, "bă.", 0.3)])])
     decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
                               stage_seconds=StageTimes("cpu"),
-                              decode=lambda mel, frames, words, languages: [next(decoded) for _ in frames])
+                              decode=lambda mel, frames, words, languages, after_pause=None: [next(decoded) for _ in frames])
     engine = WhisperEngine(decoder)
     out = engine.transcribe_features([torch.zeros(80, 1679)])[0]  # 16.77 s of sound (log-mel 0)
     assert out.text == "Muzica Bă, bă."  # the tail, from 2 s, is appended

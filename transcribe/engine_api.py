@@ -53,9 +53,11 @@ class Engine(Protocol):
 
     # frontend outputs [n_mels, F_i] float32 (views into shared memory: copy before returning)
     # -> Result per piece. languages (with detects_language): per piece, its file's language,
-    # or None to detect it (Result.language says what was found); else None.
-    def transcribe_features(self, features: list[torch.Tensor],
-                            languages: list[str | None] | None = None) -> list[Result]: ...
+    # or None to detect it (Result.language says what was found); else None. after_pause: per
+    # piece, whether it begins at a cut in a pause after earlier speech (a file's later pieces),
+    # for word times that take the pause into account (Whisper's); None: none does.
+    def transcribe_features(self, features: list[torch.Tensor], languages: list[str | None] | None = None,
+                            after_pause: list[bool] | None = None) -> list[Result]: ...
 
     # frontend + the above; pieces: mono float samples at sample_rate (`checked_pieces`)
     def transcribe(self, pieces: list[np.ndarray]) -> list[Result]: ...

@@ -318,7 +318,7 @@ class _Job:
         views = [torch.from_numpy(slab.view(p.slot, (p.n_mels, p.frames))) for p in batch]
         languages = [self.languages.language(p) for p in batch] if self.languages is not None else None
         try:
-            return list(self.engine.transcribe_features(views, languages))
+            return list(self.engine.transcribe_features(views, languages, after_pause=[p.index > 0 for p in batch]))
         except RuntimeError as e:  # torch's error type, torch.OutOfMemoryError included
             error = e
         finally:
