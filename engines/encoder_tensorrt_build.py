@@ -27,16 +27,20 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from engines.choices import PRECISIONS, EngineBuildError
 from engines.encoder_backend import BucketProfile
-from transcribe.writers import FILE_MODE, atomic_write_bytes  # the one atomic write (temp, fsync, rename)
+from transcribe.writers import FILE_MODE, atomic_write_bytes, open_lock  # the one atomic write (temp, fsync, rename)
 
 ENGINE_FORMAT = 1  # bump when the export or the build recipe changes: old entries then miss
 OPSET = 17  # LayerNormalization is an ONNX op from 17 on: TensorRT's normalization layer
@@ -139,6 +143,7 @@ def export_onnx(nemo_path: str | os.PathLike, out: str | os.PathLike) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
         try:
             export_encoder(encoder, Path(tmp) / "encoder.onnx", opset=OPSET)
+            del encoder  # a large model is loaded again to re-save its weights: not twice in memory
             done = _one_data_file(onnx, Path(tmp), "encoder.onnx", out)
             for f in done:
                 os.chmod(f, FILE_MODE)  # mkdtemp's 0700 folder is left; the files keep the umask's mode
@@ -259,8 +264,9 @@ def ensure_engine(nemo_path: str | os.PathLike, profiles: Sequence[BucketProfile
     if path.is_file():
         return path, False
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / f".{path.stem}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+    lock, _ = open_lock(cache_dir / f".{path.stem}.lock")
+    try:
+        _build_lock(lock, path)
         if path.is_file():
             return path, False  # built while this one waited
         work = cache_dir / f".onnx-{path.stem}"
@@ -268,11 +274,42 @@ def ensure_engine(nemo_path: str | os.PathLike, profiles: Sequence[BucketProfile
         try:
             onnx = Path(onnx_path) if onnx_path is not None else export_onnx(nemo_path, work / "encoder.onnx")
             # The builder times its tactics on the current device: make it the one the key names.
-            with torch.cuda.device(device):
+            with torch.cuda.device(device), _killable():
                 plan = build_engine(onnx, spec)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         atomic_write_bytes(path, plan)
         meta = {**asdict(spec), "key": spec.key(), "format": ENGINE_FORMAT, "model": str(nemo_path)}
         atomic_write_bytes(path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+    finally:
+        os.close(lock)  # the lock goes with it, as with a process that dies
     return path, True
+
+
+def _build_lock(fd: int, engine: Path) -> None:
+    """Take the build lock of `engine`, saying so when another process holds it (its build
+    takes minutes); where the file system has no flock (Lustre without it, some NFS), build
+    unguarded, as runs write an --out there (`resume.out_dir_lock`)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print(f"note: waiting for another process to finish building {engine}", file=sys.stderr)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        print(f"note: {engine.parent}: cannot lock it ({e.strerror}); building without a lock", file=sys.stderr)
+
+
+@contextmanager
+def _killable() -> Iterator[None]:
+    """SIGTERM's default action during TensorRT's build: a Python handler (the CLI's, which
+    unwinds) runs only once the minutes-long native call returns, and a batch job's time limit
+    then waited out the build to throw it away. Killed, the build leaves only its folder under
+    the key, which the next build removes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -892,14 +892,16 @@ def test_a_ctrl_c_during_the_imports_exits_130_without_a_traceback():
 def test_bench_refuses_an_out_holding_other_formats_and_leaves_its_log_alone(tmp_path):
     """bench writes txt only and redoes every file: into a transcribe folder with json/srt its
     new lines listed only the txt, so the next transcribe redid every file and merge named only
-    the txt. Such an --out is a usage error, said before the model loads; a txt-only one is used."""
+    the txt. Such an --out is a usage error, its log left as it was; one whose other formats
+    are other files' is used, as is a txt-only one."""
     ref = Reference("tdt_tiny")
-    audio = str(ref.audio_path(0))
+    audio, other = str(ref.audio_path(0)), str(ref.audio_path(1))
     out = tmp_path / "out"
     assert run_cli(audio, "--model", str(ref.nemo), "--out", str(out), "-f", "txt,srt").returncode == 0
     log = (out / "results.jsonl").read_bytes()
-    p = run_cli("bench", audio, "--model", str(tmp_path / "not_loaded.nemo"), "--out", str(out))
+    p = run_cli("bench", audio, "--model", str(ref.nemo), "--out", str(out))
     assert p.returncode == 2 and "holds a transcribe run's .srt outputs" in p.stderr, p.stderr
     assert (out / "results.jsonl").read_bytes() == log
+    assert run_cli("bench", other, "--model", str(ref.nemo), "--out", str(out)).returncode == 0
     assert run_cli(audio, "--model", str(ref.nemo), "--out", str(tmp_path / "txt"), "-f", "txt").returncode == 0
     assert run_cli("bench", audio, "--model", str(ref.nemo), "--out", str(tmp_path / "txt")).returncode == 0

@@ -42,6 +42,7 @@ def test_option_values_that_cannot_work_are_usage_errors():
                  ("stream", audio, "--model", MODEL, "--chunk-ms", "1e300"),
                  ("serve", "--model", MODEL, "--right-context-ms", "299000"),
                  ("serve", "--model", MODEL, "--port", "4567", "--ws-port", "4567"),  # was "address already in use"
+                 ("serve", "--model", MODEL, "--host", "no-such-host.invalid"),  # was said after the model loaded
                  ("stream", "-", "--model", MODEL)):  # was "-: no such file"
         p = _cli(*args)
         assert p.returncode == 2 and "Traceback" not in p.stderr, (args, p.stderr)

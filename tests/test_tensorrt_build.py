@@ -6,7 +6,10 @@ a read-only cache of prebuilt engines, a large model's export layout, error line
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+import signal
 import threading
 import time
 import types
@@ -81,6 +84,7 @@ class StandInTensorRT(types.ModuleType):
                 return types.SimpleNamespace(set_shape=lambda *a: None)
 
             def build_serialized_network(self, network, config):
+                trt.sigterm_in_build = signal.getsignal(signal.SIGTERM)
                 time.sleep(trt.sleep_s)
                 if trt.fail:
                     return None
@@ -109,7 +113,7 @@ def _profiles(nemo):
     return feature_profiles(fcfg, BackendOptions()), fcfg.features
 
 
-def test_one_build_per_engine_when_two_ask_at_once(trt, tmp_path):
+def test_one_build_per_engine_when_two_ask_at_once(trt, tmp_path, capsys):
     """Shards of one job (or export-engine beside a run) each built the same engine, timing
     their tactics against each other on one GPU; the second now waits and finds it built."""
     nemo = Reference("tdt_tiny").nemo
@@ -125,6 +129,36 @@ def test_one_build_per_engine_when_two_ask_at_once(trt, tmp_path):
     assert trt.builds == 1 and sorted(built for _, built in got) == [False, True]
     assert got[0][0] == got[1][0] and got[0][0].read_bytes() == b"plan"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".onnx-")]  # the build's ONNX is gone
+    assert "note: waiting for another process to finish building" in capsys.readouterr().err
+
+
+def test_a_cache_without_flock_builds_unguarded_saying_so(trt, tmp_path, monkeypatch, capsys):
+    """Lustre without flock, some NFS: flock raises ENOLCK, and every build failed with it."""
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    nemo = Reference("tdt_tiny").nemo
+    profiles, n_mels = _profiles(nemo)
+    path, built = ensure_engine(nemo, profiles, n_mels, "fp16", tmp_path)
+    assert built and path.read_bytes() == b"plan"
+    assert "cannot lock it (No locks available); building without a lock" in capsys.readouterr().err
+
+
+def test_sigterm_kills_a_build_at_once_and_its_handler_comes_back(trt, tmp_path):
+    """A Python handler (export-engine's, which unwinds) runs only once TensorRT's native build
+    returns: a time limit's SIGTERM waited out minutes of build, then threw the plan away."""
+    def handler(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        nemo = Reference("tdt_tiny").nemo
+        profiles, n_mels = _profiles(nemo)
+        ensure_engine(nemo, profiles, n_mels, "fp16", tmp_path)
+        assert trt.sigterm_in_build is signal.SIG_DFL and signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def test_a_killed_builds_onnx_is_removed_by_the_next_build(trt, tmp_path):

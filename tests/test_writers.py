@@ -25,6 +25,8 @@ def test_srt_and_vtt_timestamps():
     assert write_vtt(odd).endswith("\nAT&amp;T said x &lt;b&gt; --&gt; y\n")
     # SRT has no escapes: a line holding the arrow is read as the next cue's times
     assert write_srt(odd).endswith("\nAT&T said x <b> -> y\n")
+    longer = Result("a ---> b ----> c", segments=[Segment("a ---> b ----> c", 0.0, 2.0)])
+    assert write_srt(longer).endswith("\na -> b -> c\n")
 
 
 def test_json_output_has_segments_and_words(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 import tempfile
 import time
@@ -132,14 +133,15 @@ def bench(
 
     file_path(json_path, "--json")
     out = folder_option(out_arg)
-    if out is not None:
-        _refuse_other_formats(out)
     t0 = time.perf_counter()
     files, engine, load_s, spares = prepare(inputs, model, device, None, workers, encoder_backend, decoder_mode,
                                              features_on, dtype, batch_seconds, words=False,  # bench writes txt
                                              language=language, prompt=prompt, out=out, report=json_path)
     with spares, tempfile.TemporaryDirectory(prefix="transcribe-bench-") as tmp:
         from transcribe.pipeline import run  # torch's: imported once the options are known to be good
+
+        if out is not None:
+            _refuse_other_formats(out, files)
 
         out_dir = out or Path(tmp)
         stats = interruptible(lambda: run(engine, files, out_dir, ["txt"], batch_seconds=batch_seconds, force=True,
@@ -153,18 +155,19 @@ def bench(
     raise typer.Exit(EXIT_SOME_FAILED if stats.files_failed else EXIT_OK)
 
 
-def _refuse_other_formats(out: Path) -> None:
-    """bench writes txt only, redoing every file (`force`): in a folder where transcribe wrote
-    json, srt or vtt its new lines listed none of them, so the next transcribe run redid
-    those formats and `merge` named only the txt files. Such a folder is refused, unread."""
-    from transcribe.resume import listed_outputs
+def _refuse_other_formats(out: Path, files: list) -> None:
+    """bench writes txt only, redoing every file (`force`): where transcribe wrote json, srt or
+    vtt for one of them into `out`, its new line listed none of those, so the next transcribe
+    run redid them and `merge` named only the txt files. Such an --out is refused, unwritten."""
+    from transcribe.resume import latest, listed_outputs
     from transcribe.writers import read_results
 
     try:
-        records = read_results(out / "results.jsonl", notes=False)
+        records = latest(read_results(out / "results.jsonl", notes=False))
     except OSError:
         return  # said where the run opens its log
-    other = next((p for r in records for p in listed_outputs(r) if not p.endswith(".txt")), None)
+    ours = [records[f.key] for f in files if f.key in records]
+    other = next((p for r in ours for p in listed_outputs(r) if not p.endswith(".txt")), None)
     if other is not None:
         raise fail(f"{out} holds a transcribe run's {Path(other).suffix} outputs ({other}), which bench, writing "
                    "txt only, would leave unlisted in its results.jsonl: give bench another --out", EXIT_USAGE)
@@ -310,9 +313,11 @@ def serve(
     check_streaming(chunk_ms, left_ms, right_ms)
     if ws_port == port and port != 0:
         raise fail(f"--ws-port {ws_port} is --port's too: give each protocol a port of its own", EXIT_USAGE)
+    try:  # before the model's load: the server binds after it
+        socket.getaddrinfo(host, port)
+    except socket.gaierror as e:
+        raise fail(f"--host {host}: {e.strerror}", EXIT_USAGE)
     _refuse_whisper(model)
-    import socket
-
     from engines.loader import OptionError
     from engines.parakeet import pick_device
     from transcribe.streaming.cli_commands import serve as run_server
@@ -325,8 +330,6 @@ def serve(
                             log_level=log_level.lower(), encoder_backend=encoder_backend)
     except OptionError as e:  # chunking options this model does not take
         raise fail(str(e), EXIT_USAGE)
-    except socket.gaierror as e:
-        raise fail(f"--host {host}: {e.strerror}", EXIT_NOTHING_RAN)
     except (ValueError, OSError) as e:
         raise fail(str(e), EXIT_NOTHING_RAN)
     raise typer.Exit(status)  # 128 + SIGINT / SIGTERM, as the other commands report it; 1: the engine failed

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from transcribe.inputs import InputFile, manifest_of_line, output_stems, record_key
-from transcribe.writers import TEMP_MARK, atomic_write_text, output_paths, read_results, results_line
+from transcribe.writers import TEMP_MARK, atomic_write_text, open_lock, output_paths, read_results, results_line
 
 # writers.StagedWrites' temporary names only: a look-alike (`.notes.abcd1234.tmp`) is the user's.
 _TEMP_OUTPUT = re.compile(rf"^\..+\.{re.escape(TEMP_MARK)}[a-z0-9_]{{8}}\.tmp$")
@@ -40,16 +40,11 @@ def out_dir_lock(out_dir: Path) -> Iterator[None]:
     one's temporary files from under it, and lose its log lines when it rewrites results.jsonl;
     it gets OutputBusy instead. The kernel drops the lock when the holder dies, so a killed
     run never leaves the folder locked; the file itself stays (removing it would race).
-    A lock file this user cannot write (another user's, in a group-writable folder, left 0644
-    by their umask) is locked through a read-only descriptor: flock needs no more (the pid in
-    it then stays the last writer's, so a busy message may name that one). One that
-    cannot be opened at all (a folder in its place) raises OSError."""
+    A lock file this user cannot write is locked through a read-only descriptor (`open_lock`;
+    the pid in it then stays the last writer's, so a busy message may name that one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_NAME
-    try:
-        fd, writable = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
-    except PermissionError:
-        fd, writable = os.open(path, os.O_RDONLY), False
+    fd, writable = open_lock(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

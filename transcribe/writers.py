@@ -10,6 +10,7 @@ import errno
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -55,7 +56,7 @@ def write_srt(result) -> str:
 def _srt_text(line: str) -> str:
     """SubRip cue text: it has no escapes, and readers take a line holding `-->` for the next
     cue's times, so the arrow is written shorter."""
-    return line.replace("-->", "->")
+    return re.sub(r"-{2,}>", "->", line)  # "--->" too, which one replace left as "-->"
 
 
 def _vtt_text(line: str) -> str:
@@ -113,6 +114,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     if not isinstance(text, str):
         raise TypeError(f"atomic_write_text needs str, got {type(text).__name__}")
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def open_lock(path: Path) -> tuple[int, bool]:
+    """A descriptor of the lock file `path` to flock, created if missing, and whether it is
+    writable: a lock file this user cannot write (another user's in a shared folder, left 0644
+    by their umask) is opened read-only, which flock needs no more than. One that cannot be
+    opened at all (a folder in its place) raises OSError."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+    except PermissionError:
+        return os.open(path, os.O_RDONLY), False
 
 
 def atomic_write_bytes(path: Path, data) -> None:
