@@ -310,9 +310,11 @@ class WhisperEngine:
         file's is known (None: detect it), as `Engine.transcribe_features` says, as is after_pause
         (`whisper_words.window_words`)."""
         languages = languages or [None] * len(features)
-        after_pause = after_pause or [False] * len(features)
         lead = [_digital_silence_lead(f) for f in features]
         features = [f[:, n:] if n else f for f, n in zip(features, lead)]
+        # A piece cut short of its digital silence begins in that silence's last second: a pause
+        # too (the first word stretched back over it started up to a second before the sound).
+        after_pause = [bool(n) or a for n, a in zip(lead, after_pause or [False] * len(features))]
         # A silent piece names the language it would have been decoded in, as a decoded one does.
         out: list[Result | None] = [Result(text="", language=lang or self.decoder.prompt_language)
                                     if float(f.amax()) <= SILENCE_LOG_MEL else None
