@@ -166,6 +166,7 @@ def ours_side(args, out_dir: Path, stem: str) -> dict:
         rtfx_steady = _rnd(audio / steady_s) if steady_s else None
     res.update(
         files=r.get("files"),
+        files_failed=r.get("files_failed", 0),
         audio_seconds=audio,
         load_seconds=load,
         steady_seconds=_rnd(steady_s),
@@ -257,8 +258,10 @@ def main() -> int:
     print_table(report)
     if report.get("warning"):
         print("warning: " + report["warning"])
+    if o.get("files_failed"):  # its audio stays in audio_seconds: a ratio that no run earned
+        print(f"our side FAILED {o['files_failed']} files: see {out.parent / (stem + '.ours.log')}")
     print(f"report: {out}")
-    failed = any(p and p.get("error") is not None for p in (report["nemo"], report["ours"]))
+    failed = any(p and p.get("error") is not None for p in (report["nemo"], report["ours"])) or o.get("files_failed")
     return 1 if failed else 0
 
 

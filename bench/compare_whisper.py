@@ -6,11 +6,14 @@
 Each side runs as a whole command in its own process, one after the other: the peer in
 /work/venvs/fw (bench/whisper_peer.py, CTranslate2 `--peer-compute-type`: float32 by default;
 int8 is faster-whisper's usual CPU setting), ours as `transcribe bench --model whisper-base
---dtype D` (auto by default: float32 on the CPU; bfloat16 on CPUs with bf16). We print, per
+--dtype D` (auto by default: a bfloat16 encoder where the startup probe finds bf16 GEMMs faster,
+else float32; the startup line says which). We print, per
 side, RTFx = audio seconds / transcribe seconds (audio decode included, model load excluded),
 end-to-end RTFx including load and interpreter start, the ratio ours / peer, and WER against the
 manifest text, both sides computed here in the project venv by `transcribe.bench.wer` (OpenAI
-Whisper's English normaliser; the peer venv needs no WER package).
+Whisper's English normaliser; the peer venv needs no WER package). A file our side failed is
+scored as an empty transcript and makes the script exit 1 after the report, so a ratio bought by
+dropped files does not pass unnoticed.
 """
 from __future__ import annotations
 
@@ -35,6 +38,12 @@ def read_manifest(path: Path, limit: int | None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
+def audio_path(manifest: Path, row: dict) -> str:
+    """A manifest row's audio as results.jsonl names it: absolute, links not followed (a path
+    resolved through a linked folder matched no line, and our side was scored 100 % WER)."""
+    return os.path.abspath(manifest.parent / row["audio_filepath"])
+
+
 def limited_manifest(manifest: Path, limit: int | None, folder: Path) -> Path:
     """The manifest's first `limit` rows with absolute audio paths (the manifest itself if all)."""
     if not limit:
@@ -42,7 +51,7 @@ def limited_manifest(manifest: Path, limit: int | None, folder: Path) -> Path:
     out = folder / "manifest.jsonl"
     rows = read_manifest(manifest, limit)
     for r in rows:
-        r["audio_filepath"] = str((manifest.parent / r["audio_filepath"]).resolve())
+        r["audio_filepath"] = audio_path(manifest, r)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
@@ -54,9 +63,13 @@ def ours_result(report: Path, out_dir: Path, manifest: Path) -> dict:
     for line in (out_dir / "results.jsonl").read_text().splitlines():
         row = json.loads(line)
         by_path[row["audio_filepath"]] = row["text"]
-    texts = [by_path.get(str((manifest.parent / r["audio_filepath"]).resolve()), "") for r in read_manifest(manifest, None)]
+    paths = [audio_path(manifest, r) for r in read_manifest(manifest, None)]
+    missing = [p for p in paths if p not in by_path]
+    if missing:
+        raise SystemExit(f"{len(missing)} manifest files have no line in our results.jsonl, e.g. {missing[0]}")
     return {"audio_seconds": rep["audio_seconds"], "load_seconds": rep["stages"]["load_model"],
-            "transcribe_seconds": rep["transcribe_seconds"], "texts": texts}
+            "transcribe_seconds": rep["transcribe_seconds"], "texts": [by_path[p] for p in paths],
+            "files_failed": rep.get("files_failed", 0)}
 
 
 def peer_model(folder: Path) -> Path:
@@ -81,9 +94,13 @@ def peer_model(folder: Path) -> Path:
     return folder
 
 
-def _timed(cmd: list[str]) -> float:
+def _timed(cmd: list[str], ok: tuple[int, ...] = (0,)) -> float:
+    """Wall seconds of `cmd`; SystemExit if it exits other than `ok` (transcribe bench: 3 when
+    some files failed, which the report then says)."""
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    rc = subprocess.run(cmd, cwd=ROOT).returncode
+    if rc not in ok:
+        raise SystemExit(f"{cmd[0]} {cmd[1]} exited {rc}")
     return time.perf_counter() - t
 
 
@@ -93,10 +110,13 @@ def _report(name: str, res: dict, wall: float, refs: list[str]) -> dict:
 
     row = {"rtfx": res["audio_seconds"] / res["transcribe_seconds"],
            "rtfx_e2e": res["audio_seconds"] / wall, "wer": wer(refs, res["texts"]),
-           "load_s": res["load_seconds"], "transcribe_s": res["transcribe_seconds"], "wall_s": wall}
+           "audio_seconds": res["audio_seconds"], "load_s": res["load_seconds"],
+           "transcribe_s": res["transcribe_seconds"], "wall_s": wall, "files_failed": res.get("files_failed", 0)}
+    said = "n/a (no references)" if row["wer"] is None else f"{100 * row['wer']:5.2f} %"
     print(f"{name:6s} RTFx {row['rtfx']:6.2f}  end-to-end RTFx {row['rtfx_e2e']:6.2f}  "
-          f"WER {100 * row['wer']:5.2f} %  load {row['load_s']:5.1f} s  transcribe "
-          f"{row['transcribe_s']:6.1f} s  wall {wall:6.1f} s")
+          f"WER {said}  load {row['load_s']:5.1f} s  transcribe "
+          f"{row['transcribe_s']:6.1f} s  wall {wall:6.1f} s  audio {row['audio_seconds']:.1f} s"
+          + (f"  FAILED FILES {row['files_failed']}" if row["files_failed"] else ""))
     return row
 
 
@@ -110,9 +130,12 @@ def main() -> None:
                     help="faster-whisper compute_type (float32, int8, int8_float32, bfloat16, ...)")
     ap.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = ap.parse_args()
-    refs = [r["text"] for r in read_manifest(args.manifest, args.limit)]
+    args.manifest = Path(os.path.abspath(args.manifest))  # the commands run from the repository root
+    refs = [r.get("text", "") for r in read_manifest(args.manifest, args.limit)]
     lim = ["--limit", str(args.limit)] if args.limit else []
-    summary = {"dtype": args.dtype, "peer_compute_type": None if args.skip_peer else args.peer_compute_type}
+    summary = {"manifest": str(args.manifest), "files": len(refs), "dtype": args.dtype,
+               "peer_compute_type": None if args.skip_peer else args.peer_compute_type,
+               "date": time.strftime("%Y-%m-%d %H:%M"), "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_peer:
             peer_out = Path(tmp) / "peer.json"
@@ -124,7 +147,7 @@ def main() -> None:
         report, out_dir = Path(tmp) / "ours.json", Path(tmp) / "ours_out"
         transcribe = Path(sys.executable).with_name("transcribe")
         wall = _timed([str(transcribe), "bench", str(manifest), "--model", "whisper-base", "--device", "cpu",
-                       "--dtype", args.dtype, "--json", str(report), "--out", str(out_dir)])
+                       "--dtype", args.dtype, "--json", str(report), "--out", str(out_dir)], ok=(0, 3))
         summary["ours"] = _report("ours", ours_result(report, out_dir, manifest), wall, refs)
     if "peer" in summary:
         ratio = summary["ours"]["rtfx"] / summary["peer"]["rtfx"]
@@ -132,8 +155,13 @@ def main() -> None:
         summary["ratio"], summary["ratio_e2e"] = ratio, e2e
         print(f"ratio ours ({args.dtype}) / peer ({args.peer_compute_type}): RTFx x{ratio:.2f}, end-to-end "
               f"x{e2e:.2f}  (cpu count {os.cpu_count()})")
+        if abs(summary["peer"]["audio_seconds"] - summary["ours"]["audio_seconds"]) > 0.5:
+            print(f"warning: the sides read different audio: peer {summary['peer']['audio_seconds']:.1f} s, "
+                  f"ours {summary['ours']['audio_seconds']:.1f} s", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
+    if summary["ours"]["files_failed"]:
+        raise SystemExit(f"our side failed {summary['ours']['files_failed']} files (scored as empty transcripts)")
 
 
 if __name__ == "__main__":

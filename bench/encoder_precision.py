@@ -2,7 +2,7 @@
 
 One fixed seeded batch (default 8 x 10 s of N(0, 1) "features", lengths between 80 % and 100 %
 of the width, so the padding masks run) through `ConformerEncoder` built with each dtype
-(`from_state(..., dtype=)`): on the CPU fp32 and bf16, both with oneDNN-packed linears (what the
+(`from_state(..., dtype=)`): on the CPU fp32 and bf16, linears packed for oneDNN where the startup probe finds it pays (what the
 engine runs); on CUDA fp32 (IEEE: TF32 off for matmuls and convs), tf32 (the fp32 encoder with
 TF32 on), fp16 and bf16, timed with a device sync. Every setting gets one warm-up call, then the
 settings run interleaved for --rounds rounds (a burst of outside load hits them alike) and the

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
             proc.wait(10)
     finals = [r.final_latency() for r in runs if r.final is not None]
     partials = [x for r in runs for x in r.partial_latencies()]
-    audio_s = sum(audios[i % len(audios)].shape[0] / 16000 for i in range(args.streams))
+    # The audio of the streams that finished: a refused ("busy") or failed stream decoded none.
+    audio_s = sum(audios[i % len(audios)].shape[0] / 16000 for i, r in enumerate(runs) if r.final is not None)
     report = {
         "streams": args.streams, "completed": len(finals),
         "errors": sorted({(r.error or {}).get("code", "") for r in runs if r.final is None}),
@@ -163,4 +164,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    done = main()
+    sys.exit(0 if done["completed"] == done["streams"] else 1)  # some streams refused or failed

@@ -80,7 +80,7 @@ def time_mode(engine: WhisperEngine, batches: list[torch.Tensor], mode: str, rep
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="auto", help="auto (float16 on CUDA, float32 on the CPU), float32, bfloat16, float16")
+    ap.add_argument("--dtype", default="auto", help="auto (float16 on CUDA; on the CPU a bfloat16 encoder where the startup probe finds it faster, else float32), float32, bfloat16, float16")
     ap.add_argument("--manifest", type=Path, default=DEFAULT_MANIFEST)
     ap.add_argument("--files", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16)

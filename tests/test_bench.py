@@ -104,3 +104,40 @@ def test_every_bench_script_prints_its_help_on_a_cpu_machine():
     for s, p in running:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0 and out.strip(), (s.name, out[-1500:])
+
+
+def _bench_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_whisper_finds_our_texts_through_a_linked_folder_and_counts_failures(tmp_path):
+    """results.jsonl names a manifest's audio as given (links kept); the script looked its texts
+    up by the resolved path and, through a linked folder, scored our side 100 % WER unsaid."""
+    import json
+    import os
+
+    cw = _bench_script("compare_whisper")
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "manifest.jsonl").write_text(json.dumps({"audio_filepath": "a.flac", "text": "hello"}) + "\n")
+    (tmp_path / "link").symlink_to(real)
+    manifest = tmp_path / "link" / "manifest.jsonl"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text(json.dumps({"audio_filepath": os.path.abspath(tmp_path / "link" / "a.flac"),
+                                                   "text": "hello"}) + "\n")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"audio_seconds": 1.0, "stages": {"load_model": 0.5}, "transcribe_seconds": 0.5,
+                                  "files_failed": 1}))
+    got = cw.ours_result(report, out, manifest)
+    assert got["texts"] == ["hello"] and got["files_failed"] == 1
+    (out / "results.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="1 manifest files have no line in our results.jsonl"):
+        cw.ours_result(report, out, manifest)
