@@ -101,6 +101,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the engine (default: torch's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: no CUDA device here (--device cpu)")
     if a.threads:
         torch.set_num_threads(a.threads)
     workers = ParakeetEngine.from_nemo(a.model, a.device, features_on="workers")

@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated; eager is always run first")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: no CUDA device here (--device cpu)")
     engine = WhisperEngine.from_bundled(device=a.device, dtype=a.dtype, decoder_mode="eager")
     batches, audio_s = encoded_batches(engine, a.manifest, a.files, a.batch)
     modes = ["eager"] + [m for m in a.modes.split(",") if m and m != "eager"]

@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     engine = WhisperEngine.load("whisper-base", device="cpu", language="auto")
     wins = windows(args.speech)
+    if not wins:
+        raise SystemExit(f"no audio under {args.speech}")
     rows = []
     for s in range(0, len(wins), 16):
         chunk = wins[s:s + 16]
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     english = np.array([prob for _, lang, prob in rows if lang == "en"])
     print(f"{len(rows)} windows; detected as another language: "
           + (", ".join(f"{n} {lang} {prob:.3f}" for n, lang, prob in rows if lang != "en") or "none"))
-    print("English, top probability percentiles 0/1/2/5/10/50:", np.percentile(english, [0, 1, 2, 5, 10, 50]).round(3))
+    if english.size:
+        print("English, top probability percentiles 0/1/2/5/10/50:", np.percentile(english, [0, 1, 2, 5, 10, 50]).round(3))
     print(f"English under 0.8: {int((english < 0.8).sum())}, under 0.9: {int((english < 0.9).sum())}")
     if args.json:
         args.json.write_text(json.dumps([{"window": n, "language": lang, "probability": prob} for n, lang, prob in rows]))
