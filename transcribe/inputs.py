@@ -66,7 +66,9 @@ def record_key(record: dict) -> Path:
 
 
 def _key(path: str | Path, offset: float | None) -> Path:
-    return Path(path) if offset is None else Path(f"{path}@{float(offset)!r}")  # repr: exact
+    if offset is None:
+        return path if isinstance(path, Path) else Path(path)  # a Path as is: asked for ~8 times a file
+    return Path(f"{path}@{float(offset)!r}")  # repr: exact
 
 
 def absolute(path: Path) -> Path:
@@ -288,6 +290,8 @@ def output_stems(files: list[InputFile]) -> dict[Path, Path]:
     adds its times (`talks/a_15.50-28.13`). A file that `discover` has named keeps that name
     (a shard's files are named as the whole run's).
     """
+    if all(f.stem is not None for f in files):  # named by `discover` already: the common case
+        return {f.key: f.stem for f in files}
     named = {f.path: f.rel for f in files if f.problem is None}  # each file once, however many segments
     stems = Counter(rel.with_suffix("") for rel in named.values())
     base = {p: rel if stems[rel.with_suffix("")] > 1 else rel.with_suffix("") for p, rel in named.items()}
