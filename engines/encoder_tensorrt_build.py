@@ -40,7 +40,8 @@ import torch
 
 from engines.choices import PRECISIONS, EngineBuildError
 from engines.encoder_backend import BucketProfile
-from transcribe.writers import FILE_MODE, atomic_write_bytes, open_lock  # the one atomic write (temp, fsync, rename)
+# atomic_write_bytes: the one atomic write (temp, fsync, rename)
+from transcribe.writers import FILE_MODE, atomic_write_bytes, naming_output, open_lock
 
 ENGINE_FORMAT = 1  # bump when the export or the build recipe changes: old entries then miss
 OPSET = 17  # LayerNormalization is an ONNX op from 17 on: TensorRT's normalization layer
@@ -151,8 +152,7 @@ def export_onnx(nemo_path: str | os.PathLike, out: str | os.PathLike) -> Path:
             for f in done:  # the data first: the .onnx is the switch
                 os.replace(f, out.parent / f.name)
         except OSError as e:
-            e.filename, e.filename2 = str(out), None  # the output's name, not the temporary's
-            raise
+            raise naming_output(e, out)  # the output's name, not the temporary's
     for stale in old_data - {f.name for f in done}:
         (out.parent / stale).unlink(missing_ok=True)
     return out

@@ -164,7 +164,7 @@ class StagedWrites:
         try:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.{TEMP_MARK}", suffix=".tmp", dir=path.parent)
         except OSError as e:
-            raise _naming(e, path)
+            raise naming_output(e, path)
         try:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), FILE_MODE)
@@ -172,7 +172,7 @@ class StagedWrites:
         except BaseException as e:
             # Any failure (disk full, ^C, SIGTERM) removes the temporary file; the old one stays intact.
             Path(tmp).unlink(missing_ok=True)
-            raise _naming(e, path) if isinstance(e, OSError) else e
+            raise naming_output(e, path) if isinstance(e, OSError) else e
         self._staged.append((tmp, path, key))
 
     def drop(self, key: object) -> None:
@@ -193,7 +193,7 @@ class StagedWrites:
                     try:
                         os.replace(tmp, path)
                     except OSError as e:
-                        failed[key] = _naming(e, path)
+                        failed[key] = naming_output(e, path)
         finally:
             # Whatever is left (a failed key's files; everything, if an error stopped it)
             # is removed: the old files stay intact.
@@ -214,11 +214,11 @@ def _fsync_path(tmp: str, path: Path, key: object) -> dict[object, OSError]:
         finally:
             os.close(fd)
     except OSError as e:
-        return {key: _naming(e, path)}
+        return {key: naming_output(e, path)}
     return {}
 
 
-def _naming(e: OSError, path: Path) -> OSError:
+def naming_output(e: OSError, path: Path) -> OSError:
     """`e` naming the output it was for: "Is a directory: OUT/a.txt", not the temporary
     `.a.txt.transcribe-6o5pjpaj.tmp` the user never sees."""
     e.filename, e.filename2 = str(path), None
