@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engines.checkpoint import NemoArchive, pop_sub_state_dict  # noqa: E402
 from engines.conformer import ConformerEncoder, EncoderConfig  # noqa: E402
 from engines.encoder_backend import feature_width  # noqa: E402
+from engines.parakeet import pick_device  # noqa: E402
 from engines.precision import DTYPES, check_dtype  # noqa: E402
 from transcribe.features import FeatureConfig  # noqa: E402
 
@@ -94,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU; default torch's)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: no CUDA device here (--device cpu)")
+    try:  # the CLI's check: a CUDA device this machine lacks is an error line, not a traceback
+        args.device = pick_device(args.device)
+    except ValueError as e:
+        raise SystemExit(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     settings, skipped = [], {}

@@ -34,7 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from engines.parakeet import ParakeetEngine  # noqa: E402
+from engines.parakeet import ParakeetEngine, pick_device  # noqa: E402
 from transcribe.audio import load_audio  # noqa: E402
 from transcribe.batching import Batcher  # noqa: E402
 from transcribe.inputs import discover  # noqa: E402
@@ -101,8 +101,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the engine (default: torch's)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {a.device}: no CUDA device here (--device cpu)")
+    try:  # the CLI's check: a CUDA device this machine lacks is an error line, not a traceback
+        a.device = pick_device(a.device)
+    except ValueError as e:
+        raise SystemExit(str(e))
     if a.threads:
         torch.set_num_threads(a.threads)
     workers = ParakeetEngine.from_nemo(a.model, a.device, features_on="workers")

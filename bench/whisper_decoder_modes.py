@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from engines.decode_modes import DecodeMode  # noqa: E402
+from engines.parakeet import pick_device  # noqa: E402
 from engines.whisper_decoding import DecodeOptions, GreedyDecoder  # noqa: E402
 from engines.whisper_engine import WhisperEngine  # noqa: E402
 from engines.whisper_graph import WhisperGraphs  # noqa: E402
@@ -88,8 +89,10 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated; eager is always run first")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    if a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {a.device}: no CUDA device here (--device cpu)")
+    try:  # the CLI's check: a CUDA device this machine lacks is an error line, not a traceback
+        a.device = pick_device(a.device)
+    except ValueError as e:
+        raise SystemExit(str(e))
     engine = WhisperEngine.from_bundled(device=a.device, dtype=a.dtype, decoder_mode="eager")
     batches, audio_s = encoded_batches(engine, a.manifest, a.files, a.batch)
     modes = ["eager"] + [m for m in a.modes.split(",") if m and m != "eager"]
