@@ -37,47 +37,14 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     given)."""
     # Nothing imported before the model loads imports torch (test_cli checks it): a usage error
     # is said in a fraction of a second, not after torch's seconds of import.
-    from engines.checkpoint import CheckpointError
-    from engines.choices import ENCODER_BACKENDS, DecodeMode, DeviceError, EngineBuildError
     from engines.loader import OptionError, checked_model, settings_before_load
-    from engines.whisper_languages import language_code
-    from transcribe.audio_frontend import FEATURES_ON
-    from transcribe.inputs import InputError, discover, parse_shard, shard
-    from transcribe.signals import Interrupted, forget_signals, remember_sigint, stop_if_signalled
+    from transcribe.signals import remember_sigint
     from transcribe.workers import Prespawned, default_workers
 
     remember_sigint()
-    refuse_empty([model], "--model", "model")  # "$MODEL" unset: not the default model, silently
-    check_choice("--encoder-backend", encoder_backend, ENCODER_BACKENDS)
-    check_choice("--decoder-mode", decoder_mode, (m.value for m in DecodeMode))
-    check_choice("--features-on", features_on, FEATURES_ON)
-    check_runtime(device, dtype)
-    if task not in ("transcribe", "translate"):
-        raise fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
-    if language is not None:
-        try:
-            language = language_code(language)  # EN, English, english: en
-        except ValueError as e:
-            raise fail(str(e), EXIT_USAGE)
-    if batch_seconds is not None and not math.isfinite(batch_seconds):
-        raise fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
-    try:
-        part = parse_shard(shard_spec) if shard_spec else None
-    except ValueError as e:
-        raise fail(str(e), EXIT_USAGE)
-
-    refuse_empty(inputs, "an INPUT", "file or folder")
-    try:
-        found = discover(inputs)
-    except InputError as e:
-        raise fail(str(e), EXIT_NOTHING_RAN)
-    if not found:
-        raise fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
-    files = shard(found, part)
-    if out is not None:
-        out_folder(out)
-    if report is not None:
-        writable_folder(report.parent, "--json")
+    language, part = checked_options(model, device, shard_spec, encoder_backend, decoder_mode, features_on,
+                                     dtype, batch_seconds, language, task)
+    files, found = discovered(inputs, part, out, report)
     if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
         typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
         return files, None, 0.0, None
@@ -98,13 +65,80 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     spares = Prespawned(min(workers or default_workers(), len(files), os.cpu_count() or 1))
     engine = None
     try:
-        try:
-            from engines.encoder_backend import BackendOptions
-            from engines.loader import load_engine
+        engine = loaded_engine(model, chosen, device, encoder_backend, decoder_mode, features_on, dtype,
+                               batch_seconds, words, language, task, prompt)
+    finally:
+        if engine is None:  # failed or interrupted: the spare workers have nothing to do
+            spares.close()
+    runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
+    typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
+    return files, engine, time.perf_counter() - t0, spares
 
+
+def checked_options(model, device, shard_spec, encoder_backend, decoder_mode, features_on, dtype,
+                    batch_seconds, language, task):
+    """The options every run takes, checked before any file is looked at (exit 2 on a bad one);
+    returns (--language as a code, the parsed --shard or None)."""
+    from engines.choices import ENCODER_BACKENDS, DecodeMode
+    from engines.whisper_languages import language_code
+    from transcribe.audio_frontend import FEATURES_ON
+    from transcribe.inputs import parse_shard
+
+    refuse_empty([model], "--model", "model")  # "$MODEL" unset: not the default model, silently
+    check_choice("--encoder-backend", encoder_backend, ENCODER_BACKENDS)
+    check_choice("--decoder-mode", decoder_mode, (m.value for m in DecodeMode))
+    check_choice("--features-on", features_on, FEATURES_ON)
+    check_runtime(device, dtype)
+    if task not in ("transcribe", "translate"):
+        raise fail(f"--task {task!r}: expected transcribe or translate", EXIT_USAGE)
+    if language is not None:
+        try:
+            language = language_code(language)  # EN, English, english: en
+        except ValueError as e:
+            raise fail(str(e), EXIT_USAGE)
+    if batch_seconds is not None and not math.isfinite(batch_seconds):
+        raise fail(f"--batch-seconds {batch_seconds}: expected a finite number of seconds", EXIT_USAGE)
+    try:
+        return language, (parse_shard(shard_spec) if shard_spec else None)
+    except ValueError as e:
+        raise fail(str(e), EXIT_USAGE)
+
+
+def discovered(inputs: list[str], part, out: Optional[Path], report: Optional[Path]):
+    """(this shard's files, every file found); exit 1 when nothing is found. `out` and
+    `report`'s folder are checked here, once the inputs are known and before the model loads."""
+    from transcribe.inputs import InputError, discover, shard
+
+    refuse_empty(inputs, "an INPUT", "file or folder")
+    try:
+        found = discover(inputs)
+    except InputError as e:
+        raise fail(str(e), EXIT_NOTHING_RAN)
+    if not found:
+        raise fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
+    if out is not None:
+        out_folder(out)
+    if report is not None:
+        writable_folder(report.parent, "--json")
+    return shard(found, part), found
+
+
+def loaded_engine(model: str, chosen: str, device, encoder_backend, decoder_mode, features_on, dtype,
+                  batch_seconds, words, language, task, prompt):
+    """`engines.loader.load_engine` with its failures as the command's exit: 2 for an option the
+    model turns out not to take, 1 for a model or device that cannot run, 128 + N for a signal.
+    `chosen` says where the model's name came from, for the message."""
+    from engines.checkpoint import CheckpointError
+    from engines.choices import DeviceError, EngineBuildError
+    from engines.encoder_backend import BackendOptions
+    from engines.loader import OptionError, load_engine
+    from transcribe.signals import Interrupted, forget_signals, stop_if_signalled
+
+    try:
+        try:
             options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
-            engine = load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
-                                 word_timestamps=words, language=language, task=task, prompt=prompt)
+            return load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
+                               word_timestamps=words, language=language, task=task, prompt=prompt)
         except BaseException:
             # A ^C while the weights load: torch's reader turns its KeyboardInterrupt into an
             # AttributeError ('ExFileObject' object has no attribute 'read'), a traceback and
@@ -121,12 +155,6 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
         raise fail(f"cannot run on this device: {e}", EXIT_NOTHING_RAN)
     except (CheckpointError, EngineBuildError, ValueError, OSError, ImportError) as e:  # ImportError: an extra's package
         raise fail(f"cannot load model{chosen}: {e}", EXIT_NOTHING_RAN)
-    finally:
-        if engine is None:  # failed or interrupted: the spare workers have nothing to do
-            spares.close()
-    runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
-    typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
-    return files, engine, time.perf_counter() - t0, spares
 
 
 def interruptible(job, then: str = "run the same command again to resume"):
