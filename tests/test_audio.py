@@ -1,4 +1,4 @@
-"""Audio loading: what NeMo saw (libsndfile float32, channel average, soxr), and clean errors."""
+"""Audio loading: what NeMo saw (libsndfile float32, channel average, its resampling), and clean errors."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,8 @@ import pytest
 import soundfile as sf
 
 from conftest import SPEECH, Reference, needs_shared
-from transcribe.audio import AudioError, audio_info, load_audio, resample
+from transcribe.audio import AudioError, audio_info, load_audio
+from transcribe.resample import output_length, resample
 
 
 def _tone(freq: float, rate: int, seconds: float) -> np.ndarray:
@@ -47,9 +48,9 @@ def test_resampling_length_and_content(tmp_path: Path, source_rate: int) -> None
     path = tmp_path / f"tone_{source_rate}.flac"
     sf.write(path, tone, source_rate, subtype="PCM_24")
     x = load_audio(path, 16000)
-    assert len(x) == math.ceil(n * 16000 / source_rate)  # librosa.resample's fixed length
+    assert len(x) == output_length(n, source_rate, 16000)  # lhotse's length (tests/test_resample.py)
     assert abs(_peak_hz(x, 16000) - 440) < 2
-    # Level is preserved away from the edges (soxr HQ passband is flat at 440 Hz).
+    # Level is preserved away from the edges (the pass band is flat at 440 Hz).
     assert np.max(np.abs(x[1000:-1000])) == pytest.approx(0.5, abs=0.01)
 
 
@@ -162,7 +163,7 @@ def test_a_vbr_mp3_reads_in_our_blocks_as_ffmpeg_decodes_it(tmp_path: Path) -> N
     FFmpeg's decoding, by up to 0.1 over ~0.2 s stretches. Our ~2 MB blocks (BLOCK_BYTES) read
     it as FFmpeg does; this fails if they shrink to where libsndfile goes wrong."""
     av = pytest.importorskip("av")
-    from transcribe.audio import resample
+    from transcribe.resample import resample
     from transcribe.decode import _SoundfileSource
 
     speech, rate = sf.read(SPEECH / "longform" / "librispeech_test-other_1688-142285_concat.flac", dtype="float32")

@@ -268,10 +268,11 @@ def test_a_sentence_after_seconds_of_digital_silence_is_transcribed_at_its_time(
     # The kept second of zeros is a pause before the first word: "And" of JFK, stretched back
     # over it, started 0.94 s before the sound.
     import soundfile as sf
-    import soxr
+
+    from transcribe.resample import resample
 
     jfk, rate = sf.read(SPEECH / "jfk" / "jfk.flac", dtype="float32")
-    jfk = soxr.resample(jfk.mean(1) if jfk.ndim > 1 else jfk, rate, 16000).astype(np.float32)
+    jfk = resample(jfk.mean(1) if jfk.ndim > 1 else jfk, rate, 16000)
     out = engine.transcribe_features([feats(np.concatenate([zeros(5), jfk]))])[0]
     assert out.words[0].word == "And" and 4.7 <= out.words[0].start < 5.3, out.words[:2]
     assert out.segments[0].start == out.words[0].start

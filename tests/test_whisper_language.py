@@ -236,15 +236,15 @@ def test_cli_language_auto_detects_once_per_file(tmp_path):
     came out in Arabic script."""
     import numpy as np
     import soundfile as sf
-    import soxr
 
     from test_cli import run_cli
+    from transcribe.resample import resample
 
     bundled_whisper_fp32(1)  # skips without the bundled model or the shared speech
     jfk, rate = sf.read(SPEECH / "jfk" / "jfk.flac", dtype="float32", always_2d=True)
     other, _ = sf.read(SPEECH / "librispeech_test_other/2414/2414-128291-0008.flac", dtype="float32")
     pause = np.zeros(16000 * 2, np.float32)
-    joined = np.concatenate([soxr.resample(jfk.mean(1), rate, 16000), pause, pause, other] + [pause] * 7)
+    joined = np.concatenate([resample(jfk.mean(1), rate, 16000), pause, pause, other] + [pause] * 7)
     sf.write(tmp_path / "joined.wav", joined, 16000)  # 32 s: cut into pieces at the first pause
     proc = run_cli(str(tmp_path / "joined.wav"), "--out", str(tmp_path / "out"), "--model", "whisper-base",
                    "--language", "auto", "--format", "json", "--no-progress")
@@ -262,9 +262,9 @@ def test_cli_language_auto_is_not_decided_by_a_tune_before_the_speech(tmp_path):
     file_language.SURE), so the next piece decides (English), and the tune's is decoded again."""
     import numpy as np
     import soundfile as sf
-    import soxr
 
     from test_cli import run_cli
+    from transcribe.resample import resample
 
     bundled_whisper_fp32(1)  # skips without the bundled model or the shared speech
     rate = 16000
@@ -277,7 +277,7 @@ def test_cli_language_auto_is_not_decided_by_a_tune_before_the_speech(tmp_path):
         tune[s:s + 400] += 0.2 * rng.standard_normal(400)
     jfk, jfk_rate = sf.read(SPEECH / "jfk" / "jfk.flac", dtype="float32", always_2d=True)
     sf.write(tmp_path / "tune_jfk.wav", np.concatenate([tune.astype(np.float32), np.zeros(rate // 2, np.float32),
-                                                        soxr.resample(jfk.mean(1), jfk_rate, rate)]), rate)
+                                                        resample(jfk.mean(1), jfk_rate, rate)]), rate)
     proc = run_cli(str(tmp_path / "tune_jfk.wav"), "--out", str(tmp_path / "out"), "--model", "whisper-base",
                    "--language", "auto", "--format", "json", "--no-progress")
     assert proc.returncode == 0, proc.stderr

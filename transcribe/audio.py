@@ -1,18 +1,18 @@
-"""Audio decoding as NeMo sees it: libsndfile float32 samples, channel average, soxr resampling.
+"""Audio decoding as NeMo sees it: libsndfile float32 samples, channel average, NeMo's resampling.
 
-NeMo's `AudioSegment.from_file` reads with soundfile as float32 (int16 / 32768 for PCM), averages
-channels, and resamples with `librosa.resample` (soxr 'HQ', then fixes the length to
-ceil(n * target / source)). Doing the same here keeps our features bit-comparable to NeMo's.
+NeMo reads with soundfile as float32 (int16 / 32768 for PCM) and averages channels; its
+`transcribe()` resamples through lhotse (`transcribe/resample.py`). Doing the same here keeps
+our features within float rounding of NeMo's.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import soxr
+
+from transcribe.resample import resample
 
 # One 25 ms analysis window at 16 kHz: anything shorter yields no feature frame worth decoding.
 DEFAULT_MIN_SAMPLES = 400
@@ -91,21 +91,6 @@ def _decode(p: Path) -> tuple[np.ndarray, int]:
         # Corrupt or truncated streams fail here (e.g. "flac decoder lost sync").
         raise _open_error(p, e) from e
     return data, rate
-
-
-def resample(x: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
-    """[n] float32 at source_rate -> [ceil(n * target / source)] float32 at target_rate.
-
-    soxr 'HQ' is what librosa.resample (NeMo's resampler) uses by default; librosa then pads or
-    trims to the ceil length, so we do the same.
-    """
-    if source_rate == target_rate:
-        return x
-    y = soxr.resample(x, source_rate, target_rate, quality="HQ").astype(np.float32, copy=False)
-    n_out = int(math.ceil(x.shape[0] * target_rate / source_rate))
-    if y.shape[0] >= n_out:
-        return np.ascontiguousarray(y[:n_out])
-    return np.pad(y, (0, n_out - y.shape[0]))
 
 
 def load_audio(path: str | os.PathLike, sample_rate: int, min_samples: int = DEFAULT_MIN_SAMPLES) -> np.ndarray:

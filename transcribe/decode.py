@@ -1,10 +1,11 @@
 """Streamed decoding: an audio file -> blocks of mono float32 samples at the model's rate.
 
 A worker never holds a whole long file: soundfile reads fixed blocks into one reused buffer,
-channels are averaged, and a soxr stream resamples block by block. soxr's stream gives the
-same samples as one-shot `soxr.resample` for any block size, and the final length is fixed to
-ceil(n * target / source) as `transcribe.audio.resample` (librosa, NeMo) does, so short files
-decode exactly as `load_audio` decodes them. Containers libsndfile cannot read (mp4, m4a,
+channels are averaged, and `transcribe.resample.Resampler` (NeMo's `transcribe()`
+resampling) resamples block by block. It gives the same samples as one-shot
+`transcribe.audio.resample` for any block size, and the final length is fixed to lhotse's
+round-half-up(n * target / source) as that does, so files decode exactly as `load_audio`
+decodes them. Containers libsndfile cannot read (mp4, m4a,
 aac, webm, ...) go through PyAV, the optional `av` extra, imported only when needed.
 """
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Iterator
 
 import numpy as np
 import soundfile as sf
-import soxr
 
 # _check_path / _open_error: the same file checks and libsndfile messages as load_audio.
 from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error, sndfile_path
 from transcribe.ogg_end import ogg_chained, ogg_cut_off
+from transcribe.resample import Resampler, output_length
 
 AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
@@ -138,8 +139,7 @@ class AudioStream:
     def blocks(self) -> Iterator[np.ndarray]:
         """Mono float32 blocks at target_rate; the last one is held back to fix the length."""
         rate = self._source.rate
-        stream = None if rate == self.target_rate else soxr.ResampleStream(
-            rate, self.target_rate, 1, dtype="float32", quality="HQ")
+        stream = None if rate == self.target_rate else Resampler(rate, self.target_rate)
         n_in, held = 0, None
         for mono in self._mono_blocks():
             if not np.isfinite(mono).all():
@@ -162,7 +162,7 @@ class AudioStream:
         if stream is not None:
             tail.append(stream.resample_chunk(np.zeros(0, np.float32), last=True))
         last = np.concatenate(tail) if len(tail) > 1 else tail[0]
-        want = math.ceil(n_in * self.target_rate / rate) - self.samples
+        want = output_length(n_in, rate, self.target_rate) - self.samples
         last = last[:want] if last.shape[0] >= want else np.pad(last, (0, want - last.shape[0]))
         self.samples += last.shape[0]
         if self.samples < self.min_samples:
@@ -378,7 +378,7 @@ class _AvSource:
         return 0  # container seeks land on packet boundaries: the caller drops samples instead
 
     def mono_blocks(self) -> Iterator[np.ndarray]:
-        # Only the sample format changes here (to float planar); rate stays for soxr.
+        # Only the sample format changes here (to float planar); the rate stays for Resampler.
         conv = self.av.AudioResampler(format="fltp")
         try:
             for frame in self._c.decode(self._s):

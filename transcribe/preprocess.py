@@ -1,6 +1,6 @@
 """What runs in a preprocessing worker process: one file at a time -> features in slab slots.
 
-The file is streamed (`transcribe/decode.py`: soundfile blocks or PyAV, downmix, soxr), cut at
+The file is streamed (`transcribe/decode.py`: soundfile blocks or PyAV, downmix, resampling), cut at
 pauses (`segmenting.PieceCutter`), and each piece's features (the engine's `frontend`) are
 written into a slot the main process granted; a `Piece` descriptor goes back over the pipe.
 Protocol on the worker's pipe (main -> worker): ("attach", slab spec, frontend bytes) once, followed
