@@ -59,14 +59,14 @@ def test_bad_files_fail_alone_with_exit_3_and_rerun_resumes(tmp_path):
         g.write_bytes(ref.audio_path(i).read_bytes())
     (inp / "empty.wav").write_bytes(b"")
     (inp / "text.wav").write_text("not audio at all")
-    sf.write(inp / "silence_short.wav", np.zeros(10, dtype=np.float32), 16000)
+    sf.write(inp / "nan.wav", np.full(1600, np.nan, dtype=np.float32), 16000, subtype="FLOAT")
     out = tmp_path / "out"
     p = run_cli(str(inp), "--model", str(ref.nemo), "--out", str(out))
     assert p.returncode == 3, p.stderr
     rows = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     status = {Path(r["audio_filepath"]).name: r for r in rows}
     assert {k for k, r in status.items() if r["status"] == "ok"} == {"a.flac", "b.flac"}
-    for bad in ("empty.wav", "text.wav", "silence_short.wav"):
+    for bad in ("empty.wav", "text.wav", "nan.wav"):
         assert status[bad]["status"] == "error" and bad in status[bad]["error"]
     assert (out / "a.txt").read_text().strip() == ref.files[0]["transcribe_text"].strip()
 

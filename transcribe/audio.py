@@ -14,8 +14,10 @@ import soundfile as sf
 
 from transcribe.resample import resample
 
-# One 25 ms analysis window at 16 kHz: anything shorter yields no feature frame worth decoding.
-DEFAULT_MIN_SAMPLES = 400
+# A file needs one sample: NeMo's centred STFT gives n // hop + 1 feature frames for any n >= 1,
+# and NeMo transcribes a 10 ms file (a letter or empty text); refusing files under one 25 ms
+# window (400 samples), as we did, failed files NeMo transcribes.
+DEFAULT_MIN_SAMPLES = 1
 
 
 class AudioError(ValueError):

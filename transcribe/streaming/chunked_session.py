@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from engines.chunked_pool import ChunkContext, ChunkWindow
-from transcribe.audio import DEFAULT_MIN_SAMPLES
-from transcribe.streaming.session import SessionBase
+from transcribe.streaming.session import MIN_STREAM_SAMPLES, SessionBase
 from transcribe.streaming.transcript import StreamTranscript
 
 
@@ -73,10 +72,10 @@ class ChunkedSession(SessionBase):
             end, frames = self._available, None
             if end - c <= 0:
                 return None  # nothing after the previous chunk (the stream ended on its boundary)
-            if end < DEFAULT_MIN_SAMPLES:
-                # Less than one 25 ms analysis window in all: the final is empty, as offline
-                # refuses such a file (and the cache-aware session ends it); the padded
-                # features decoded into made-up tokens ("g" from 255 samples).
+            if end < MIN_STREAM_SAMPLES:
+                # Less than one 25 ms analysis window in all: the final is empty, as the
+                # cache-aware session ends it; the padded features decoded into made-up
+                # tokens ("g" from 255 samples).
                 return None
         elif self._available > c + self.chunk + self.right:
             end, frames = c + self.chunk + self.right, self.context.chunk

@@ -19,9 +19,11 @@ from torch import Tensor
 
 from engines.stream_pool import ChunkInput
 from engines.streaming_encoder import StreamingConfig, chunk_features, next_chunk
-from transcribe.audio import DEFAULT_MIN_SAMPLES
 from transcribe.features import LogMel
 from transcribe.streaming.transcript import StreamTranscript
+
+# A stream ended with less than one 25 ms analysis window (at 16 kHz) gets an empty final.
+MIN_STREAM_SAMPLES = 400
 
 
 class IncrementalLogMel:
@@ -207,9 +209,9 @@ class StreamSession(SessionBase):
         if not self.ended:
             self.ended = True
             rest = self.features.finish()
-            if round(self.audio_seconds * self.sample_rate) < DEFAULT_MIN_SAMPLES:
-                # Less than one 25 ms analysis window: the final is empty, as offline refuses
-                # such a file; the padded features would decode into made-up tokens.
+            if round(self.audio_seconds * self.sample_rate) < MIN_STREAM_SAMPLES:
+                # Less than one 25 ms analysis window: the final is empty; the padded
+                # features would decode into made-up tokens.
                 self._feats = self._feats[:, :0]
                 return
             self._append(rest)

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""NeMo's transcripts of recordings at other rates than 16 kHz, for tests/test_resample.py.
+"""NeMo's transcripts of inputs the shared fixtures lack, for tests/test_nemo_edges.py:
+recordings at other rates than 16 kHz, and files shorter than one 25 ms window.
 
 Runs INSIDE the NeMo virtualenv (bench/README.md, section 1):
 
-    /work/venvs/nemo/bin/python bench/make_resample_references.py [--out tests/data/nemo_resample]
+    /work/venvs/nemo/bin/python bench/make_edge_references.py [--out tests/data/nemo_edge]
 
 Two fixture recordings (LibriSpeech test-other, 16 kHz, 16-bit) are turned into files at 8,
 22.05, 44.1 and 48 kHz by `derived_audio`, whose arithmetic is exact or IEEE-determined, so the
-test rebuilds the same bytes without a resampler of its own. NeMo 3.0.0 `transcribe()`
+test rebuilds the same bytes without a resampler of its own; and the second one's first
+SHORT samples are files of their own (16 kHz). NeMo 3.0.0 `transcribe()`
 (lhotse's resampling) runs on them with each model of MODELS: `text`, `words` (timestamps=True,
 batch of one) and `transcribe_text` (batch of 4, a freshly restored model), as in the shared
 fixtures (../shared/fixtures/README.md). Also recorded: the samples lhotse hands the model
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT.parent / "shared" / "fixtures" / "nemo_reference"
 SOURCES = ["1688-142285-0002.flac", "1688-142285-0005.flac"]  # 2.8 s and 4.3 s
 RATES = (8000, 22050, 44100, 48000)
+SHORT = (1, 100, 159, 160, 200, 399, 400)
 MODELS = ("tdt_tiny", "rnnt_tiny", "tdt_128mel")
 
 
@@ -54,6 +57,10 @@ def write_inputs(folder: Path, speech: Path) -> list[Path]:
             path = folder / f"{Path(name).stem}_{target}.wav"
             sf.write(path, derived_audio(pcm, target), target, subtype="PCM_16")
             paths.append(path)
+    for n in SHORT:
+        path = folder / f"{Path(SOURCES[-1]).stem}_first{n}.wav"
+        sf.write(path, pcm[:n], 16000, subtype="PCM_16")
+        paths.append(path)
     return paths
 
 
@@ -67,7 +74,7 @@ def main() -> None:
     from omegaconf import open_dict
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "nemo_resample")
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "nemo_edge")
     args = ap.parse_args()
     nemo_logging.setLevel(logging.ERROR)
     torch.set_num_threads(1)
@@ -80,7 +87,7 @@ def main() -> None:
             m.cfg.validation_ds = {"use_start_end_token": False}
         return m
 
-    report = {"sources": SOURCES, "rates": list(RATES), "files": {}}
+    report = {"sources": SOURCES, "rates": list(RATES), "short": list(SHORT), "files": {}}
     for p in paths:
         x = Recording.from_file(str(p)).resample(16000).load_audio()[0]
         report["files"][p.name] = {"lhotse_samples": int(x.shape[0]), "lhotse_rms": float(np.sqrt(np.mean(x ** 2))),
