@@ -381,3 +381,22 @@ def test_a_file_arriving_between_shard_tasks_moves_no_other_file(tmp_path):
     (tmp_path / "a").rename(tmp_path / "b")  # another mount point of the same data
     assert [{f.stem for f in shard(discover([str(tmp_path / "b")]), (i, 4))} for i in (1, 2, 3, 4)] == [
         {f.stem for f in p} for p in after]
+
+
+def test_a_utf16_manifest_and_a_json_array_are_read(tmp_path):
+    """PowerShell's `>` writes UTF-16 with a BOM, and a `.json` may hold one pretty-printed
+    array: either gave one "not valid JSON" row per line, the model loaded for nothing."""
+    rows = [{"audio_filepath": "a.wav", "text": "one"}, {"audio_filepath": "b.wav", "text": "twö"}]
+    (tmp_path / "a.wav").write_bytes(b"")
+    (tmp_path / "b.wav").write_bytes(b"")
+    for codec in ("utf-16", "utf-32"):
+        path = tmp_path / f"m_{codec}.jsonl"
+        path.write_bytes("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode(codec))
+        got = read_manifest(path)
+        assert [(f.path.name, f.reference, f.problem) for f in got] == [("a.wav", "one", None), ("b.wav", "twö", None)]
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(rows, indent=2))
+    got = read_manifest(path)
+    assert [(f.path.name, f.reference, f.problem) for f in got] == [("a.wav", "one", None), ("b.wav", "twö", None)]
+    path.write_text(json.dumps([rows[0], "nonsense"], indent=2))  # its entries fail alone, by number
+    assert [f.problem for f in read_manifest(path)] == [None, f"{path}:2: not a JSON object"]

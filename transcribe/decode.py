@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -23,16 +24,25 @@ from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open
 from transcribe.ogg_end import ogg_chained, ogg_cut_off
 from transcribe.resample import Resampler, output_length
 
-AV_EXTENSIONS = frozenset(".mp4 .m4a .aac .webm .mkv .mov .wma".split())
+AV_EXTENSIONS = frozenset(".mp4 .m4a .m4b .aac .webm .weba .mkv .mka .mov .wma .3gp .3g2 .amr".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
 MAX_CHANNELS = 64
 # ~2 MB of decoded float32 per block, whatever the channel count. Not much smaller: libsndfile
 # 1.2.2 decodes VBR MP3s wrongly in small reads (4096 frames: stretches off by up to 0.1; at
 # this size LAME VBR files read as FFmpeg decodes them, tests/test_audio.py).
 BLOCK_BYTES = 1 << 21
-# libsndfile's log for a WAV whose data chunk promises more bytes than the file holds.
-_SHORT_DATA = re.compile(r"^data\s*:\s*(\d+) \(should be (\d+)\)", re.MULTILINE)
+# libsndfile's log for a file whose data chunk promises more bytes than the file holds, and
+# then reads as many frames as are there: WAV "data", AIFF "SSND", AU "Data Size", and for W64
+# and RF64, whose data line gives no "should be", the whole file's "riff" / "Riff size" (a WAV's
+# "RIFF" line is not read: a wrong RIFF size is common and harmless there). A cut AIFF, AU, W64
+# or RF64 was transcribed as ok without 40 % of its audio. NIST SPHERE logs nothing
+# (`_sphere_frames`).
+_SHORT_DATA = re.compile(r"^\s*(?:data|SSND|Data Size|riff|Riff size)\s*:\s*(\d+) \(should be (\d+)\)",
+                         re.MULTILINE)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation (`_open_wav`)
+# Bytes a data chunk may lack and still be whole: writers that count the chunk's own 8-byte
+# header in its size (every sample is there; "truncated" failed the file).
+SHORT_DATA_SLACK = 1024
 # A chained Ogg stream (files joined end to end), of which libsndfile decodes only the first
 # link: its frame count is SF_COUNT_MAX (unknown) when the links' serial numbers differ, and it
 # logs junk after the first link when they are equal. Neither flags every join (two copies of
@@ -48,6 +58,10 @@ SHORT_FRACTION, SHORT_SECONDS = 0.05, 1.0
 # would be dropped without a word. Such a file holds more MPEG bytes than that header declares;
 # mpg123 itself warns past 1 %. Tags after the audio (ID3v1, APEv2) are not counted.
 JOINED_MP3_SLACK = 0.01, 8192
+# FFmpeg's names of the containers a file libsndfile cannot open is read as (by content).
+MEDIA_CONTAINERS = frozenset("mov mp4 m4a 3gp 3g2 aac matroska webm asf amr".split())
+# Undecodable packets PyAV skips before a file counts as corrupt rather than joined or padded.
+MAX_BAD_PACKETS, BAD_PACKET_FRACTION = 8, 0.01
 # Fewer bytes per second of audio than any speech codec needs (2.4 kbps is 300 B/s): what a
 # file's size can hold at this rate bounds the length its header claims, for the hang timeout.
 MIN_BYTES_PER_SECOND = 100
@@ -88,7 +102,16 @@ class AudioStream:
         workers are long-lived."""
         if self.path.suffix.lower() in AV_EXTENSIONS:
             return _AvSource(self.path)
-        source = _SoundfileSource(self.path)
+        try:
+            source = _SoundfileSource(self.path)
+        except AudioError:
+            # An MP4/AAC file named .mp3 (podcast and download tools) is not libsndfile's to
+            # read: FFmpeg's probe names what it is. Only containers it names as audio/video
+            # ones, so that a damaged or non-audio file keeps libsndfile's reason.
+            av = _AvSource.sniffed(self.path)
+            if av is None:
+                raise
+            return av
         try:
             # before `chained`: libsndfile logs junk after the last page for a cut-off file too
             cut = source.format == "OGG" and ogg_cut_off(self.path)
@@ -123,12 +146,15 @@ class AudioStream:
         """The audio length the worker's hang timeout allows for: `duration`, but at most what
         the file's size can hold. A header may claim anything (a corrupt MP3's frame count, a
         stream whose length is unknown), and a decoder stuck on such a file must still time out
-        rather than hold its worker, and the job, forever."""
+        rather than hold its worker, and the job, forever. Where the header gives no length
+        (browser-recorded WebM, ffmpeg's pipes), what the size can hold: min() with 0 gave
+        such a file the bare 60 s base, and a 3 h recording fed to a fast GPU timed out."""
         try:
             size = self.path.stat().st_size
         except OSError:
             return self.duration
-        return min(self.duration, size / MIN_BYTES_PER_SECOND)
+        bound = size / MIN_BYTES_PER_SECOND
+        return min(self.duration, bound) if self.duration > 0 else bound
 
     def __enter__(self) -> "AudioStream":
         return self
@@ -202,10 +228,15 @@ class _SoundfileSource:
             raise _open_error(path, e) from e
         self.rate, self.channels, self.frames = int(self._f.samplerate), int(self._f.channels), int(self._f.frames)
         short = _SHORT_DATA.search(self._f.extra_info)
-        if short and int(short.group(1)) not in _UNKNOWN_SIZES and int(short.group(2)) < int(short.group(1)):
+        if short and int(short.group(1)) not in _UNKNOWN_SIZES and \
+                int(short.group(2)) + SHORT_DATA_SLACK < int(short.group(1)):
             self.close()
             raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
                                    f"the file holds {short.group(2)}")
+        promised = _sphere_frames(path) if self._f.format == "NIST" else None
+        if promised is not None and promised > self.frames + SHORT_DATA_SLACK // 2:
+            self.close()
+            raise AudioError(path, f"truncated: the header promises {promised} samples, the file holds {self.frames}")
 
         self._at = 0  # the frame the next read starts at
         self.format = self._f.format
@@ -345,6 +376,17 @@ def _data_chunk(f, size: int, max_chunks: int = 1000) -> tuple[int, int] | None:
     return None
 
 
+def _sphere_frames(path: Path) -> int | None:
+    """The `sample_count` a NIST SPHERE header promises (None: it gives none)."""
+    with open(path, "rb") as f:
+        head = f.read(1024)
+    for line in head.split(b"\n"):
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == b"sample_count" and parts[2].isdigit():
+            return int(parts[2])
+    return None
+
+
 def _import_av():
     try:
         import av
@@ -374,19 +416,53 @@ class _AvSource:
         self.rate, self.channels = int(self._s.codec_context.sample_rate or 0), int(self._s.codec_context.layout.nb_channels or 0)
         self.frames = int(self._s.duration * self._s.time_base * self.rate) if self._s.duration else 0
 
+    @classmethod
+    def sniffed(cls, path: Path) -> "_AvSource | None":
+        """PyAV's reading of a file whose content FFmpeg takes for one of MEDIA_CONTAINERS,
+        else None (no PyAV, not such a container, no audio)."""
+        av = _import_av()
+        if av is None:
+            return None
+        try:
+            with av.open(str(path)) as c:
+                kind = c.format.name
+        except (av.FFmpegError, OSError):
+            return None
+        if not any(name in MEDIA_CONTAINERS for name in kind.split(",")):
+            return None
+        try:
+            return cls(path, f"a {kind.split(',')[0]} file")
+        except AudioError:
+            return None
+
     def seek(self, frame: int) -> int:
         return 0  # container seeks land on packet boundaries: the caller drops samples instead
 
     def mono_blocks(self) -> Iterator[np.ndarray]:
         # Only the sample format changes here (to float planar); the rate stays for Resampler.
         conv = self.av.AudioResampler(format="fltp")
+        packets = bad = 0
         try:
-            for frame in self._c.decode(self._s):
-                for f in conv.resample(frame):
-                    planes = f.to_ndarray().astype(np.float32, copy=False)  # [channels, n]
-                    yield planes[0].copy() if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
+            for packet in self._c.demux(self._s):
+                packets += 1
+                try:
+                    frames = packet.decode()
+                except self.av.InvalidDataError:
+                    # A packet the decoder cannot take is skipped, as FFmpeg's own command does:
+                    # `cat a.mp3 b.mp3` puts b's ID3 tag mid-stream, downloads end in zero
+                    # padding. Stopping there failed such files whole.
+                    bad += 1
+                    continue
+                for frame in frames:
+                    for f in conv.resample(frame):
+                        planes = f.to_ndarray().astype(np.float32, copy=False)  # [channels, n]
+                        yield planes[0].copy() if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
         except self.av.FFmpegError as e:
             raise AudioError(self.path, f"corrupt audio stream ({e})") from e
+        if bad > max(MAX_BAD_PACKETS, BAD_PACKET_FRACTION * packets):
+            raise AudioError(self.path, f"corrupt audio stream ({bad} of {packets} packets undecodable)")
+        if bad:  # the worker's stderr names the file (preprocess.NamedStderr)
+            print(f"skipped {bad} undecodable packet{'s' * (bad > 1)} of {packets}", file=sys.stderr)
 
     def close(self) -> None:
         self._c.close()

@@ -6,6 +6,7 @@ is one (for WER in `transcribe bench`).
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import math
@@ -13,9 +14,13 @@ import os
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
+# Every extension decode.py reads (libsndfile's, and decode.AV_EXTENSIONS through PyAV): a
+# folder's .mov, .m4b (audiobooks) or .3gp / .amr (phone recorders) were skipped without a word.
 AUDIO_EXTENSIONS = frozenset(
-    ".wav .flac .mp3 .ogg .oga .opus .m4a .mp4 .aac .webm .aiff .aif .aifc .au .snd .caf .w64 .sph .wma .mkv".split()
+    ".wav .flac .mp3 .mp2 .ogg .oga .opus .aiff .aif .aifc .au .snd .caf .w64 .rf64 .sph "
+    ".m4a .m4b .mp4 .aac .webm .weba .mkv .mka .mov .wma .3gp .3g2 .amr".split()
 )
 MANIFEST_EXTENSIONS = frozenset({".jsonl", ".json"})
 
@@ -219,11 +224,10 @@ def read_manifest(path: Path) -> list[InputFile]:
     `MANIFEST:LINE`, so it shows in results.jsonl and the run exits 3 with the rest done."""
     manifest = absolute(path)
     out, linenos = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if raw.strip():
-                out.append(_manifest_entry(raw, manifest, lineno))
-                linenos.append(lineno)
+    for lineno, raw in _manifest_lines(path):
+        if raw.strip():
+            out.append(_manifest_entry(raw, manifest, lineno))
+            linenos.append(lineno)
     # `offset: 0` alone (some tools write it for whole files) means the whole file, named as
     # one; a file with a segment further in, or several lines, is read segment by segment.
     lines = Counter(f.path for f in out if f.offset is not None)
@@ -233,6 +237,35 @@ def read_manifest(path: Path) -> list[InputFile]:
     keys = Counter(f.key for f in out)
     return [replace(f, path=where, rel=Path(where.name), offset=None) if f.problem and keys[f.key] > 1 else f
             for f, where in zip(out, (Path(f"{manifest}:{n}") for n in linenos))]
+
+
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+              (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def _manifest_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, UTF-8 bytes) of a manifest's lines. A UTF-16/32 file with a BOM (what
+    PowerShell's `>` writes) is read as such, and a JSON array (a `.json` of objects, one
+    pretty-printed over many lines) gives its objects, numbered from 1: either gave one "not
+    valid JSON" row per line, the model loaded for nothing."""
+    with open(path, "rb") as f:
+        data = f.read()
+    for bom, codec in _WIDE_BOMS:
+        if data.startswith(bom):
+            try:
+                data = data.decode(codec).encode("utf-8")
+            except UnicodeDecodeError:
+                pass  # left as is: each line fails as not UTF-8
+            break
+    if data.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
+        try:
+            rows = json.loads(data.decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            rows = None
+        if isinstance(rows, list):
+            yield from ((i, json.dumps(row).encode()) for i, row in enumerate(rows, 1))
+            return
+    yield from enumerate(data.splitlines(keepends=True), 1)
 
 
 def manifest_of_line(key: Path) -> str | None:

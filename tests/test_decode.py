@@ -1,0 +1,120 @@
+"""decode.AudioStream on what real archives hold: every container cut short fails as
+truncated (and whole ones read), joined or padded MP3s and mislabelled MP4s read whole,
+folders find every extension the decoder reads, and a file with no length in its header
+gets a hang timeout its size allows."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from transcribe.audio import AudioError
+from transcribe.decode import AV_EXTENSIONS, MIN_BYTES_PER_SECOND, AudioStream
+from transcribe.inputs import AUDIO_EXTENSIONS, discover
+
+RATE = 16000
+
+
+def _noise(seconds: float, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(int(seconds * RATE)) * 0.1).astype(np.float32)
+
+
+def _read(path: Path) -> tuple[np.ndarray, AudioStream]:
+    with AudioStream(path, RATE) as s:
+        return np.concatenate(list(s.blocks())), s
+
+
+@pytest.mark.parametrize("fmt,ext", [("WAV", "wav"), ("AIFF", "aiff"), ("AU", "au"), ("W64", "w64"),
+                                     ("RF64", "rf64"), ("NIST", "sph")])
+def test_a_cut_off_file_of_any_container_fails_as_truncated(tmp_path, fmt, ext):
+    """libsndfile reads the frames a cut file holds: an AIFF, AU, W64, RF64 or SPHERE file cut to
+    60 % was transcribed as ok without the rest (only WAV's cut was caught)."""
+    whole = tmp_path / f"whole.{ext}"
+    sf.write(whole, _noise(3.0), RATE, format=fmt, subtype="PCM_16")
+    got, _ = _read(whole)
+    assert got.shape[0] == 3 * RATE
+    cut = tmp_path / f"cut.{ext}"
+    cut.write_bytes(whole.read_bytes()[:int(whole.stat().st_size * 0.6)])
+    with pytest.raises(AudioError, match="truncated"):
+        _read(cut)
+
+
+def test_a_wav_whose_size_counts_a_few_bytes_too_many_reads_whole(tmp_path):
+    """A writer counting the chunk header in the data size: every sample is there ("truncated" before)."""
+    path = tmp_path / "plus8.wav"
+    sf.write(path, _noise(1.0), RATE, subtype="PCM_16")
+    data = bytearray(path.read_bytes())
+    at = data.index(b"data") + 4
+    data[at:at + 4] = (int.from_bytes(data[at:at + 4], "little") + 8).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    got, _ = _read(path)
+    assert got.shape[0] == RATE
+
+
+def _mp3(path: Path, seconds: float, seed: int, title: str) -> None:
+    """An MP3 as LAME and FFmpeg write them: an ID3v2 tag, then a Xing header."""
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w", format="mp3") as out:
+        out.metadata["title"] = title
+        stream = out.add_stream("libmp3lame", rate=RATE, layout="mono")
+        samples = _noise(seconds, seed)
+        for i in range(0, samples.shape[0], RATE):
+            frame = av.AudioFrame.from_ndarray(samples[None, i:i + RATE], format="fltp", layout="mono")
+            frame.sample_rate = RATE
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+
+
+def test_joined_tagged_mp3s_and_zero_padding_read_whole(tmp_path):
+    """`cat a.mp3 b.mp3` puts b's ID3 tag mid-stream, and downloads end in zero padding:
+    FFmpeg's decoder refuses that packet, and stopping there failed the whole file."""
+    a, b = tmp_path / "a.mp3", tmp_path / "b.mp3"
+    _mp3(a, 6.0, 1, "a")
+    _mp3(b, 4.0, 2, "b")
+    (tmp_path / "ab.mp3").write_bytes(a.read_bytes() + b.read_bytes())
+    got, _ = _read(tmp_path / "ab.mp3")
+    assert abs(got.shape[0] / RATE - 10.0) < 0.2
+    (tmp_path / "padded.mp3").write_bytes(a.read_bytes() + bytes(50_000))
+    got, _ = _read(tmp_path / "padded.mp3")
+    assert abs(got.shape[0] / RATE - 6.0) < 0.2
+
+
+def test_an_mp4_named_mp3_is_read_for_what_it_is(tmp_path):
+    """Podcast and download tools name AAC-in-MP4 files .mp3: libsndfile cannot open them."""
+    av = pytest.importorskip("av")
+    path = tmp_path / "episode.mp3"
+    with av.open(str(path), "w", format="mp4") as out:
+        stream = out.add_stream("aac", rate=RATE, layout="mono")
+        samples = _noise(3.0)
+        for i in range(0, samples.shape[0], 1024):
+            frame = av.AudioFrame.from_ndarray(samples[None, i:i + 1024], format="fltp", layout="mono")
+            frame.sample_rate = RATE
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    got, _ = _read(path)
+    assert abs(got.shape[0] / RATE - 3.0) < 0.1
+    text = tmp_path / "notes.mp3"
+    text.write_text("not audio\n" * 100)
+    with pytest.raises(AudioError, match="not a readable audio file"):
+        _read(text)
+
+
+def test_folders_find_every_extension_the_decoder_reads(tmp_path):
+    """A folder's .mov (which decode reads through PyAV), .m4b or .3gp was skipped without a word."""
+    assert AV_EXTENSIONS <= AUDIO_EXTENSIONS
+    for ext in (".mov", ".m4b", ".3gp", ".amr", ".rf64", ".mka"):
+        (tmp_path / f"x{ext}").write_bytes(b"")
+    assert {f.path.suffix for f in discover([str(tmp_path)])} == {".mov", ".m4b", ".3gp", ".amr", ".rf64", ".mka"}
+
+
+def test_a_file_without_a_length_gets_the_timeout_its_size_allows(tmp_path):
+    """A header with no length (browser-recorded WebM): the hang timeout allowed it none, only the
+    60 s base, and a 3 h recording fed to a fast GPU failed as hung."""
+    path = tmp_path / "a.wav"
+    sf.write(path, _noise(1.0), RATE, subtype="PCM_16")
+    with AudioStream(path, RATE) as s:
+        assert s.timeout_seconds == pytest.approx(1.0)
+        s.duration = 0.0  # what PyAV reports for a stream of unknown length
+        assert s.timeout_seconds == pytest.approx(path.stat().st_size / MIN_BYTES_PER_SECOND)
