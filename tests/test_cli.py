@@ -24,12 +24,17 @@ def _manifest(ref: Reference, path: Path) -> Path:
 
 
 @needs_shared
+@pytest.mark.parametrize("options", [("--batch-seconds", "45"),
+                                     ("--features-on", "device", "--workers", "2", "--batch-seconds", "1")],
+                         ids=["batched", "features-on-device-one-file-batches"])
 @pytest.mark.parametrize("variant", OFFLINE_VARIANTS)
-def test_cli_reproduces_nemo(variant, tmp_path):
+def test_cli_reproduces_nemo(variant, options, tmp_path):
+    """NeMo's text and word times for every file, under options that must not change them
+    (the second: log-mel on the engine's device, two workers, batches of ~one file)."""
     ref = Reference(variant)
     out = tmp_path / "out"
     p = run_cli(str(_manifest(ref, tmp_path / "m.jsonl")), "--model", str(ref.nemo), "--out", str(out),
-                "--format", "json,txt", "--batch-seconds", "45")
+                "--format", "json,txt", *options)
     assert p.returncode == 0, p.stderr
     rows = {r["audio_filepath"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
     assert len(rows) == len(ref.files)
@@ -47,6 +52,20 @@ def test_cli_reproduces_nemo(variant, tmp_path):
             (w["word"], round(min(w["start"], end), 3), round(min(w["end"], end), 3)) for w in f["words"]]
         assert doc["words"][-1]["end"] <= row["duration"] and doc["segments"][-1]["end"] <= row["duration"]
     assert "RTFx" in p.stderr
+
+
+@needs_shared
+def test_cli_transcribes_the_streaming_model_offline_as_nemo(tmp_path):
+    """The cache-aware streaming model run offline (causal convolutions, chunked_limited
+    attention, batched and padded): NeMo's `transcribe()` text for every file."""
+    ref = Reference("rnnt_streaming_tiny")
+    out = tmp_path / "out"
+    p = run_cli(str(_manifest(ref, tmp_path / "m.jsonl")), "--model", str(ref.nemo), "--out", str(out),
+                "--format", "txt", "--batch-seconds", "45")
+    assert p.returncode == 0, p.stderr
+    rows = {r["audio_filepath"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert [rows[str(ref.audio_path(i))]["text"] for i in range(len(ref.files))] == [
+        f["transcribe_text"] for f in ref.files]
 
 
 @needs_shared

@@ -28,13 +28,13 @@ def test_hybrid_ctc_head_decodes():
 
     reference = Reference("tdt_ctc_tiny")
     engine = ParakeetEngine.from_nemo(reference.nemo, "cpu", decoding="ctc")
-    audio = load_audio(reference.audio_path(0), 16000)
-    (r,) = engine.transcribe([audio])
-    lp = reference.array("ctc_logprobs", 0)
-    ids = lp.argmax(-1)
-    blank = lp.shape[-1] - 1
-    expected = [int(t) for k, t in enumerate(ids) if t != blank and (k == 0 or t != ids[k - 1])]
-    assert r.tokens == expected and np.isfinite(lp).all()
+    results = engine.transcribe([load_audio(reference.audio_path(i), 16000) for i in range(len(reference.files))])
+    for i, r in enumerate(results):  # every file, batched and padded
+        lp = reference.array("ctc_logprobs", i)
+        ids = lp.argmax(-1)
+        blank = lp.shape[-1] - 1
+        expected = [int(t) for k, t in enumerate(ids) if t != blank and (k == 0 or t != ids[k - 1])]
+        assert r.tokens == expected and np.isfinite(lp).all(), i
 
 
 @needs_shared
