@@ -65,6 +65,10 @@ def write_inputs(folder: Path, speech: Path) -> list[Path]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "nemo_edge")
+    args = ap.parse_args()
+
     import logging
 
     import torch
@@ -72,10 +76,6 @@ def main() -> None:
     from nemo.collections.asr.models import ASRModel
     from nemo.utils import logging as nemo_logging
     from omegaconf import open_dict
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "nemo_edge")
-    args = ap.parse_args()
     nemo_logging.setLevel(logging.ERROR)
     torch.set_num_threads(1)
     paths = write_inputs(args.out / "audio", ROOT.parent / "shared" / "data" / "speech" / "librispeech_test_other")

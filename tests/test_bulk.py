@@ -818,6 +818,35 @@ def test_a_sigint_while_the_model_loads_ends_the_command_with_130_not_a_tracebac
     stop_if_signalled()  # said, so forgotten: a later job in this process (a library caller's) runs
 
 
+def test_a_sigint_while_torch_imports_for_the_load_also_says_so(monkeypatch, capsys):
+    """The engine's modules import torch (seconds): a ^C there is a ^C during the load. Moved
+    out of the guarded block, it ended the command with 130 and no word."""
+    import importlib.abc
+    import sys
+
+    import typer
+
+    from transcribe.cli_job import prepare
+
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "engines.encoder_backend":
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1.0)  # the KeyboardInterrupt arrives inside the import
+            return None
+
+    monkeypatch.delitem(sys.modules, "engines.encoder_backend", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(typer.Exit) as stopped:
+            prepare([str(SPEECH / "jfk" / "jfk.flac")], "any.nemo", "cpu", None, 1)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert stopped.value.exit_code == 130
+    assert "interrupted by SIGINT while the model loaded" in capsys.readouterr().err
+
+
 def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     """`cmd &` from a script (or nohup) starts the job with SIGINT ignored, so that a ^C meant
     for the shell spares it; it installed its own handler anyway and stopped (130). It runs

@@ -72,3 +72,16 @@ def test_the_pages_are_reserved_at_once_and_a_failure_to_reserve_is_a_clear_erro
     with pytest.raises(shm.SharedMemoryTooSmall, match="cannot reserve 3 MiB .*Cannot allocate memory"):
         Slab.create(3, slot_floats)
     assert os.listdir("/proc/self/fd") == before
+
+
+def test_a_file_size_limit_below_the_slab_is_a_clean_error():
+    """`ulimit -f` under the slab's size (some HPC sites) failed the slab's ftruncate with a
+    traceback; it is SharedMemoryTooSmall, which the job reports in one line."""
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+            "from transcribe.shm import Slab, SharedMemoryTooSmall\n"
+            "try:\n    Slab.create(4, 1 << 20)\nexcept SharedMemoryTooSmall as e:\n    print('clean:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("clean: cannot size 16 MiB"), out.stdout + out.stderr

@@ -41,6 +41,14 @@ class ToyFrontend:
         return np.stack([frames.mean(1), frames.max(1)]).astype(np.float32)
 
 
+class SlowFrontend(ToyFrontend):
+    """A second per call: a worker on slow storage, or one warming up slowly."""
+
+    def __call__(self, audio: np.ndarray) -> np.ndarray:
+        time.sleep(1.0)
+        return super().__call__(audio)
+
+
 def _wav(path: Path, n: int, seed: int = 0) -> Path:
     sf.write(path, (np.random.default_rng(seed).standard_normal(n) * 0.1).astype(np.float32), SR, subtype="FLOAT")
     return path
@@ -224,13 +232,13 @@ def test_prespawned_workers_are_used_first_and_spares_are_stopped(tmp_path):
     files = [_wav(tmp_path / f"{i}.wav", 8_000, i) for i in range(3)]
     fe = ToyFrontend()
     with Prespawned(3) as spares:
-        pids = [p.pid for p, _, _ in spares._spare]
+        pids = [p.pid for p, _ in spares._spare]
         with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 2, prespawned=spares) as pool:
             used = [w.process.pid for w in pool._workers]
             for fid, p in enumerate(files):
                 pool.submit(fid, str(p))
             _, ends = _collect(pool, 3, slab)
-        left = [p.pid for p, _, _ in spares._spare]
+        left = [p.pid for p, _ in spares._spare]
     assert set(used) <= set(pids) and len(left) == 1  # the pool took two of the three
     assert all(e[0] == "done" for e in ends.values())
     time.sleep(0.2)
@@ -655,3 +663,62 @@ def test_a_wav_over_4_gib_whose_sizes_are_open_is_read_to_its_end_and_one_whose_
             assert stream.duration == pytest.approx((size - 44) / 2 / SR)  # not 0xFFFFFFFF bytes' worth
     with pytest.raises(AudioError, match=r"sizes wrapped past 4 GiB"):
         _SoundfileSource(wav("wrapped.wav", (size - 44) % (1 << 32)))
+
+
+def test_a_worker_making_progress_is_not_killed_as_hung(tmp_path):
+    """The hang deadline is counted from the worker's last piece: one that sends a piece a
+    second is alive, though its file takes longer than the whole-file allowance (slow storage
+    read a long file below 10x real time, and it was killed with 70 % sent)."""
+    path = _wav(tmp_path / "long.wav", 5 * int(4.0 * SR))  # five pieces, a second each
+    fe = SlowFrontend()
+    with Slab.create(8, fe.n_mels * fe.max_frames) as slab, \
+            WorkerPool(fe, slab, 1, FileTimeout(base_s=3.0, per_audio_s=0.0)) as pool:
+        pool.submit(0, str(path))
+        pieces, ends = _collect(pool, 1, slab)
+    assert ends[0][0] == "done", ends[0]
+    assert len(pieces[0]) >= 5  # over 5 s of work against a 3 s allowance
+
+
+def test_a_prespawned_worker_is_given_its_startup_time_from_attach(tmp_path, monkeypatch):
+    """Spares wait for the model to load; their startup clock started at spawn, so a load over
+    STARTUP_S (a first TensorRT build, a cold download) killed them, and three kills ended
+    the job ("preprocessing workers cannot start")."""
+    import transcribe.workers as workers
+
+    monkeypatch.setattr(workers, "STARTUP_S", 2.5)
+    fe = SlowFrontend()  # its warm-up call before "ready" takes a second
+    with Prespawned(1) as spares:
+        time.sleep(3.0)  # the model loading
+        with Slab.create(4, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1, prespawned=spares) as pool:
+            pid = pool._workers[0].process.pid
+            pool.submit(0, str(_wav(tmp_path / "a.wav", 8_000)))
+            _, ends = _collect(pool, 1, slab)
+            assert ends[0][0] == "done" and pool._workers[0].process.pid == pid  # not replaced
+
+
+def test_a_stopped_job_moves_its_clocks_on():
+    """SIGSTOP / ^Z / Slurm's suspend stop the whole job; on SIGCONT the pool's loop finds its
+    deadlines passed by the time stopped: they move on by it, not fail the files as hung."""
+    from transcribe.workers import STALL_S
+
+    fe = ToyFrontend()
+    with Slab.create(2, fe.n_mels * fe.max_frames) as slab, WorkerPool(fe, slab, 1) as pool:
+        w = pool._workers[0]
+        w.deadline, w.started = 100.0, 50.0
+        pool._move_clocks(STALL_S / 2)  # a busy loop, not a stop
+        assert (w.deadline, w.started) == (100.0, 50.0)
+        pool._move_clocks(65.0)
+        assert (w.deadline, w.started) == (165.0, 115.0)
+
+
+def test_a_sigint_in_a_workers_first_seconds_is_ignored():
+    """A ^C reaches the whole process group; a worker still importing (before it ignores
+    SIGINT) died with a KeyboardInterrupt traceback. It starts with SIGINT blocked."""
+    with Prespawned(2) as spares:
+        processes = [p for p, _ in spares._spare]
+        for p in processes:
+            os.kill(p.pid, signal.SIGINT)  # at once: the child is still starting its interpreter
+        time.sleep(4.0)
+        assert all(p.is_alive() for p in processes), [p.exitcode for p in processes]
+    # And the main thread's own mask is as it was: a ^C still reaches this process.
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())

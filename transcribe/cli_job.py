@@ -69,7 +69,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
                                batch_seconds, words, language, task, prompt)
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do
-            spares.close()
+            spares.close(grace_s=0.0)
     runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
     typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
     return files, engine, time.perf_counter() - t0, spares
@@ -130,12 +130,14 @@ def loaded_engine(model: str, chosen: str, device, encoder_backend, decoder_mode
     `chosen` says where the model's name came from, for the message."""
     from engines.checkpoint import CheckpointError
     from engines.choices import DeviceError, EngineBuildError
-    from engines.encoder_backend import BackendOptions
-    from engines.loader import OptionError, load_engine
+    from engines.loader import OptionError
     from transcribe.signals import Interrupted, forget_signals, stop_if_signalled
 
     try:
-        try:
+        try:  # the imports too: torch's take seconds, and a ^C in them is a ^C during the load
+            from engines.encoder_backend import BackendOptions
+            from engines.loader import load_engine
+
             options = BackendOptions() if batch_seconds is None else BackendOptions(batch_seconds=batch_seconds)
             return load_engine(model, device, encoder_backend, decoder_mode, features_on, dtype, options,
                                word_timestamps=words, language=language, task=task, prompt=prompt)

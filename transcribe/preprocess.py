@@ -53,8 +53,10 @@ def worker_boot(conn) -> None:
     Split from `worker_main` so workers can be spawned while the main process still loads the
     model (`workers.Prespawned`): the ~1.5 s of interpreter start and torch import overlap
     the load instead of following it."""
-    # ^C reaches the whole process group; the main process stops the workers in order.
+    # ^C reaches the whole process group; the main process stops the workers in order. SIGINT
+    # came blocked from `workers._spawn`: ignored first, then unblocked, one pending is dropped.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
     import torch
 

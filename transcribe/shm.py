@@ -66,7 +66,11 @@ class Slab:
         size = n_slots * slot_floats * FLOAT32
         fd = _anonymous_file()
         try:
-            os.ftruncate(fd, size)
+            try:
+                os.ftruncate(fd, size)
+            except OSError as e:  # EFBIG under a `ulimit -f` below the slab's size (some HPC sites)
+                raise SharedMemoryTooSmall(f"cannot size {size / 2**20:.0f} MiB of shared memory for the "
+                                           f"workers' features ({e.strerror}; `ulimit -f`?)") from e
             _reserve(fd, size)
             return cls(fd, SlabSpec(n_slots, slot_floats), owner=True)
         except BaseException:

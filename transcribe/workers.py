@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from multiprocessing import get_context
+from multiprocessing import get_context, resource_tracker
 from multiprocessing.connection import wait
 from multiprocessing.reduction import recv_handle
 
@@ -33,7 +33,10 @@ from transcribe.shm import Slab
 __all__ = ["FileTimeout", "Piece", "Prespawned", "WorkerPool", "WorkerStartError", "default_workers"]
 
 MAX_WAIT_S = 0.5  # the pool thread wakes at least this often to check deadlines
-STARTUP_S = 300.0  # a worker not ready by then (spawn, imports, frontend warm-up) is stuck
+STARTUP_S = 300.0  # a worker not ready this long after "attach" (imports, frontend warm-up) is stuck
+# A pool-thread loop this much longer than MAX_WAIT_S: the job was stopped (SIGSTOP, ^Z, Slurm's
+# suspend, a frozen cgroup), not its workers hung; every clock is moved on by the gap.
+STALL_S = 5.0
 MAX_START_FAILURES = 3  # workers dying before ready this many times in a row: give up
 
 
@@ -68,16 +71,20 @@ class Prespawned:
 
     def __init__(self, n: int):
         self._ctx = get_context("spawn")
-        self._spare: list[tuple[object, object, float]] = [_spawn(self._ctx) for _ in range(max(n, 0))]
+        self._spare: list[tuple[object, object]] = [_spawn(self._ctx) for _ in range(max(n, 0))]
 
-    def take(self) -> tuple[object, object, float] | None:
+    def take(self) -> tuple[object, object] | None:
         return self._spare.pop() if self._spare else None
 
-    def close(self) -> None:
-        while self._spare:
-            process, conn, _ = self._spare.pop()
+    def close(self, grace_s: float = 2.0) -> None:
+        """Stop the spares: a closed pipe ends a waiting one; all share one `grace_s` (a ^C
+        during the load waited 2 s for each spare still importing torch: 9 s with 8)."""
+        spares, self._spare = self._spare, []
+        for _, conn in spares:
             conn.close()  # EOF: the waiting worker returns
-            process.join(2.0)
+        deadline = time.monotonic() + grace_s
+        for process, _ in spares:
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -89,12 +96,21 @@ class Prespawned:
         self.close()
 
 
-def _spawn(ctx) -> tuple[object, object, float]:
+def _spawn(ctx) -> tuple[object, object]:
     parent, child = ctx.Pipe(duplex=True)
     p = ctx.Process(target=worker_boot, args=(child,), daemon=True, name="transcribe-preprocess")
-    p.start()
+    # SIGINT blocked while it starts: the child inherits the mask, so a ^C to the process group
+    # in its first seconds (before worker_boot ignores SIGINT) waits, and is then ignored,
+    # rather than printing a KeyboardInterrupt traceback from its imports. Ours arrives after.
+    # The resource tracker is started first: starting it unblocks SIGINT (its own mask dance).
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     child.close()  # so the worker's death reads as EOF here
-    return p, parent, time.monotonic()
+    return p, parent
 
 
 @dataclass
@@ -125,6 +141,7 @@ class WorkerPool:
             raise ValueError(f"need at least one worker, got {n_workers}")
         self._ctx = get_context("spawn")
         self._frontend = pickle.dumps(frontend)  # plain pickle: no torch shared-memory tensors
+        self._rate = frontend.sample_rate
         self._slab = slab
         self.timeout = timeout
         self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -138,6 +155,7 @@ class WorkerPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._prespawned = prespawned
+        self._last_step = time.monotonic()
         self._workers = [self._start() for _ in range(n_workers)]
         self._thread = threading.Thread(target=self._serve, name="transcribe-pool", daemon=True)
         self._thread.start()
@@ -145,8 +163,10 @@ class WorkerPool:
     def _start(self) -> _Worker:
         """A worker: a prespawned process if one is left, else a new one; then attach it."""
         spare = self._prespawned.take() if self._prespawned is not None else None
-        p, conn, started = spare if spare is not None else _spawn(self._ctx)
-        w = _Worker(p, conn, started)
+        p, conn = spare if spare is not None else _spawn(self._ctx)
+        # Its startup clock starts now: a prespawned worker waited for the model to load, and
+        # a load over STARTUP_S (a first TensorRT build, a cold download) killed the spares.
+        w = _Worker(p, conn, time.monotonic())
         self._send(w, ("attach", self._slab.spec, self._frontend))  # a dead one is replaced on EOF
         try:
             self._slab.share(w.conn)  # the slab's descriptor, right behind the message
@@ -238,6 +258,8 @@ class WorkerPool:
         if self._wake_r in ready:
             os.read(self._wake_r, 4096)
         now = time.monotonic()
+        self._move_clocks(now - self._last_step)
+        self._last_step = now
         for w in list(self._workers):
             if w.conn in ready or w.process.sentinel in ready:
                 self._drain(w, now)
@@ -248,6 +270,17 @@ class WorkerPool:
             elif not w.ready and now - w.started > STARTUP_S:
                 w.process.kill()
                 self._replace(w, f"not ready after {STARTUP_S:.0f} s")
+
+    def _move_clocks(self, elapsed: float) -> None:
+        """After a stop of the whole job (a loop of `elapsed` s, over STALL_S), push every
+        deadline and startup clock on by the time stopped: resumed after a minute, its files
+        in flight failed as hung."""
+        if elapsed <= STALL_S:
+            return
+        for w in self._workers:
+            w.started += elapsed
+            if w.waiting_since is None:  # a waiting one's wait is added to its deadline anyway
+                w.deadline += elapsed
 
     def _grant(self, w: _Worker, now: float) -> None:
         slot = self._free.popleft()
@@ -284,6 +317,9 @@ class WorkerPool:
             w.deadline = now + w.limit
         elif kind == "piece":
             w.granted.discard(msg[1].slot)
+            # Progress: it has a piece's allowance from here (slow storage read a long file
+            # below 10x real time, and it was killed as hung with 70 % of it sent).
+            w.deadline = max(w.deadline, now + self.timeout.limit(msg[1].samples / self._rate))
             self.events.put(msg)
         else:  # "done" or "error": the file is over, the worker is free
             for k, v in msg[-1].items():
