@@ -259,3 +259,18 @@ def test_steps_count_pool_steps_not_a_final_that_came_alone():
     audio = SPEECH / "librispeech_test_other" / "1688" / "1688-142285-0004.flac"
     steps = {ms: stream_file(audio, MODEL, piece_ms=ms, echo=lambda line: None)["steps"] for ms in (10, 100)}
     assert steps == {10: 4, 100: 4}, steps
+
+
+def test_a_file_shorter_than_one_window_streams_to_an_empty_final(tmp_path):
+    """Offline transcribes such a file now (as NeMo does), so `stream` reads it too: an empty
+    final, as `serve` gives such a stream; its summary ran no step, and said so, not a
+    traceback formatting a missing step time."""
+    import soundfile as sf
+
+    path = tmp_path / "blip.wav"
+    sf.write(path, np.zeros(10, np.float32), 16000)
+    p = _cli("stream", str(path), "--model", MODEL, "--json")
+    assert p.returncode == 0, p.stderr
+    final = [json.loads(line) for line in p.stdout.splitlines() if '"final"' in line]
+    assert len(final) == 1 and final[0]["text"] == ""
+    assert "0 steps" in p.stderr and "Traceback" not in p.stderr

@@ -278,8 +278,10 @@ def stream(
                    EXIT_NOTHING_RAN)
     except (AudioError, ValueError, OSError) as e:
         raise fail(str(e), EXIT_NOTHING_RAN)
-    typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx {summary['rtfx']:.1f}, "
-               f"{summary['steps']} steps (p50 {summary['step_ms_p50']:.1f} ms)", err=True)
+    rtfx, p50 = summary["rtfx"], summary["step_ms_p50"]  # None: no time passed, no step ran (a blip)
+    typer.echo(f"{summary['audio_seconds']:.2f} s audio in {summary['wall_seconds']:.2f} s, RTFx "
+               f"{'n/a' if rtfx is None else f'{rtfx:.1f}'}, {summary['steps']} steps"
+               + ("" if p50 is None else f" (p50 {p50:.1f} ms)"), err=True)
 
 
 @sub_app.command(help="Serve streaming transcription over TCP (newline-delimited JSON) and optionally WebSocket (--ws-port); protocol in transcribe/streaming/protocol.py.")
