@@ -164,6 +164,11 @@ class WhisperFrontend:
         self.max_frames = N_FRAMES
 
     def __call__(self, audio: np.ndarray) -> np.ndarray:
+        if len(audio) < HOP_LENGTH:
+            # Under one hop (10 ms) OpenAI's transcribe decodes nothing (no content frame for
+            # its seek loop); as silence, the engine gives it empty text without decoding
+            # (decoded, whisper-base said "you").
+            audio = np.zeros_like(audio)
         # Frame t sees samples [t*hop - n_fft/2, t*hop + n_fft/2): zero power once past the audio.
         keep = min(N_FRAMES, math.ceil((len(audio) + N_FFT // 2) / HOP_LENGTH) + 1)
         with torch.inference_mode():

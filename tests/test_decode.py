@@ -1,7 +1,6 @@
 """decode.AudioStream on what real archives hold: every container cut short fails as
 truncated (and whole ones read), joined or padded MP3s and mislabelled MP4s read whole,
-folders find every extension the decoder reads, and a file with no length in its header
-gets a hang timeout its size allows."""
+folders find every extension the decoder reads, and SPHERE files are read as their headers say."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 import soundfile as sf
 
 from transcribe.audio import AudioError
-from transcribe.decode import AV_EXTENSIONS, MIN_BYTES_PER_SECOND, AudioStream
+from transcribe.decode import AV_EXTENSIONS, AudioStream
 from transcribe.inputs import AUDIO_EXTENSIONS, discover
 
 RATE = 16000
@@ -81,18 +80,22 @@ def test_joined_tagged_mp3s_and_zero_padding_read_whole(tmp_path):
     assert abs(got.shape[0] / RATE - 6.0) < 0.2
 
 
-def test_an_mp4_named_mp3_is_read_for_what_it_is(tmp_path):
-    """Podcast and download tools name AAC-in-MP4 files .mp3: libsndfile cannot open them."""
+def _m4a(path: Path, seconds: float, **options: str) -> None:
     av = pytest.importorskip("av")
-    path = tmp_path / "episode.mp3"
-    with av.open(str(path), "w", format="mp4") as out:
+    with av.open(str(path), "w", format="mp4", options=options) as out:
         stream = out.add_stream("aac", rate=RATE, layout="mono")
-        samples = _noise(3.0)
+        samples = _noise(seconds)
         for i in range(0, samples.shape[0], 1024):
             frame = av.AudioFrame.from_ndarray(samples[None, i:i + 1024], format="fltp", layout="mono")
             frame.sample_rate = RATE
             out.mux(stream.encode(frame))
         out.mux(stream.encode(None))
+
+
+def test_an_mp4_named_mp3_is_read_for_what_it_is(tmp_path):
+    """Podcast and download tools name AAC-in-MP4 files .mp3: libsndfile cannot open them."""
+    path = tmp_path / "episode.mp3"
+    _m4a(path, 3.0)
     got, _ = _read(path)
     assert abs(got.shape[0] / RATE - 3.0) < 0.1
     text = tmp_path / "notes.mp3"
@@ -109,17 +112,6 @@ def test_folders_find_every_extension_the_decoder_reads(tmp_path):
     assert {f.path.suffix for f in discover([str(tmp_path)])} == {".mov", ".m4b", ".3gp", ".amr", ".rf64", ".mka"}
 
 
-def test_a_file_without_a_length_gets_the_timeout_its_size_allows(tmp_path):
-    """A header with no length (browser-recorded WebM): the hang timeout allowed it none, only the
-    60 s base, and a 3 h recording fed to a fast GPU failed as hung."""
-    path = tmp_path / "a.wav"
-    sf.write(path, _noise(1.0), RATE, subtype="PCM_16")
-    with AudioStream(path, RATE) as s:
-        assert s.timeout_seconds == pytest.approx(1.0)
-        s.duration = 0.0  # what PyAV reports for a stream of unknown length
-        assert s.timeout_seconds == pytest.approx(path.stat().st_size / MIN_BYTES_PER_SECOND)
-
-
 def test_an_mp3_cut_short_of_its_xing_frame_count_fails_as_truncated(tmp_path):
     """A Xing/Info frame count is exact: an MP3 cut at 96 % (2.4 s of 60 gone) read as ok, the
     5 % slack for lengths libsndfile estimates applied to it too."""
@@ -131,3 +123,40 @@ def test_an_mp3_cut_short_of_its_xing_frame_count_fails_as_truncated(tmp_path):
     cut.write_bytes(whole.read_bytes()[:int(whole.stat().st_size * 0.96)])
     with pytest.raises(AudioError, match="truncated"):
         _read(cut)
+
+
+def test_a_cut_off_m4a_fails_as_truncated(tmp_path):
+    """Its index (moov first, as web-ready files have it) gives the length: once undecodable
+    packets were skipped, a half M4A decoded to its cut as ok."""
+    whole = tmp_path / "whole.m4a"
+    _m4a(whole, 20.0, movflags="faststart")
+    got, _ = _read(whole)
+    assert abs(got.shape[0] / RATE - 20.0) < 0.2
+    cut = tmp_path / "half.m4a"
+    cut.write_bytes(whole.read_bytes()[:whole.stat().st_size // 2])
+    with pytest.raises(AudioError, match="truncated"):
+        _read(cut)
+
+
+def _sphere(path: Path, samples: np.ndarray, count: int) -> None:
+    pcm = (samples * 32767).astype("<i2").tobytes()
+    header = (f"NIST_1A\n   1024\nsample_count -i {count}\nsample_rate -i {RATE}\nchannel_count -i 1\n"
+              "sample_n_bytes -i 2\nsample_byte_format -s2 01\nsample_coding -s3 pcm\n"
+              "end_head\n").encode()
+    path.write_bytes(header.ljust(1024, b" ") + pcm)
+
+
+def test_sphere_files_are_read_as_their_headers_say(tmp_path):
+    """A cut SPHERE file fails as truncated (nothing in libsndfile's log says so); a count of
+    every channel's samples is not a cut."""
+    x = _noise(2.0)
+    _sphere(tmp_path / "whole.sph", x, x.shape[0])
+    assert _read(tmp_path / "whole.sph")[0].shape[0] == x.shape[0]
+    _sphere(tmp_path / "cut.sph", x[:RATE], x.shape[0])
+    with pytest.raises(AudioError, match="truncated: the header promises 32000 samples"):
+        _read(tmp_path / "cut.sph")
+    stereo = np.repeat(x, 2)  # a stereo file whose count is of both channels' samples
+    path = tmp_path / "both.sph"
+    _sphere(path, stereo, stereo.shape[0])
+    path.write_bytes(path.read_bytes().replace(b"channel_count -i 1", b"channel_count -i 2"))
+    assert _read(path)[0].shape[0] == x.shape[0]

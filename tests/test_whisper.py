@@ -339,3 +339,17 @@ def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
                                                              ("bă.", 2.38, 9.16)]
     # Its subtitle, of no length there, is shown in the second before (`subtitles._give_time`).
     assert write_srt(out).startswith("1\n00:00:01,000 --> 00:00:02,000\nMuzica\n\n2\n00:00:02,000 --> ")
+
+
+def test_audio_under_one_hop_is_empty_text_as_openai_gives():
+    """Files under 400 samples are transcribed now (NeMo does); openai-whisper decodes nothing
+    under one hop (160 samples: no content frame for its seek loop) and faster-whisper gives
+    empty text, where whisper-base decoded 100 samples of speech to "you"."""
+    import soundfile as sf
+
+    from conftest import bundled_whisper_fp32
+
+    engine = bundled_whisper_fp32(4)
+    speech, _ = sf.read(SPEECH / "librispeech_test_other" / "1688" / "1688-142285-0005.flac", dtype="float32")
+    out = engine.transcribe_features([torch.from_numpy(engine.frontend(speech[:n])) for n in (1, 100, 159)])
+    assert [r.text for r in out] == ["", "", ""]

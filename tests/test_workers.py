@@ -722,3 +722,16 @@ def test_a_sigint_in_a_workers_first_seconds_is_ignored():
         assert all(p.is_alive() for p in processes), [p.exitcode for p in processes]
     # And the main thread's own mask is as it was: a ^C still reaches this process.
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def test_workers_compute_on_one_thread_and_the_main_process_keeps_its_environment(monkeypatch):
+    """numpy's OpenBLAS (the resampler's products) started a thread per core in every worker:
+    44.1 kHz resampling ran 10-170x slower on a busy machine. Workers start with one thread
+    per library; the main process's environment is left as it was."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    with Prespawned(1) as spares:
+        (process, _), = spares._spare
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+    assert {b"OPENBLAS_NUM_THREADS=1", b"MKL_NUM_THREADS=1", b"OMP_NUM_THREADS=1"} <= set(environ)
+    assert os.environ["OMP_NUM_THREADS"] == "7" and "OPENBLAS_NUM_THREADS" not in os.environ

@@ -60,6 +60,7 @@ SHORT_FRACTION, SHORT_SECONDS = 0.05, 1.0
 JOINED_MP3_SLACK = 0.01, 8192
 # FFmpeg's names of the containers a file libsndfile cannot open is read as (by content).
 MEDIA_CONTAINERS = frozenset("mov mp4 m4a 3gp 3g2 aac matroska webm asf amr".split())
+INDEXED_CONTAINERS = frozenset("mov mp4 m4a 3gp 3g2 matroska webm asf".split())  # lengths from an index
 # Undecodable packets PyAV skips before a file counts as corrupt rather than joined or padded.
 MAX_BAD_PACKETS, BAD_PACKET_FRACTION = 8, 0.01
 # Fewer bytes per second of audio than any speech codec needs (2.4 kbps is 300 B/s): what a
@@ -146,15 +147,14 @@ class AudioStream:
         """The audio length the worker's hang timeout allows for: `duration`, but at most what
         the file's size can hold. A header may claim anything (a corrupt MP3's frame count, a
         stream whose length is unknown), and a decoder stuck on such a file must still time out
-        rather than hold its worker, and the job, forever. Where the header gives no length
-        (browser-recorded WebM, ffmpeg's pipes), what the size can hold: min() with 0 gave
-        such a file the bare 60 s base, and a 3 h recording fed to a fast GPU timed out."""
+        rather than hold its worker, and the job, forever. A header with no length (browser-
+        recorded WebM) gives 0: the pool renews the deadline with each piece, so a long such
+        file is not cut off, and a hung decoder is still found within the base allowance."""
         try:
             size = self.path.stat().st_size
         except OSError:
             return self.duration
-        bound = size / MIN_BYTES_PER_SECOND
-        return min(self.duration, bound) if self.duration > 0 else bound
+        return min(self.duration, size / MIN_BYTES_PER_SECOND)
 
     def __enter__(self) -> "AudioStream":
         return self
@@ -233,8 +233,10 @@ class _SoundfileSource:
             self.close()
             raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
                                    f"the file holds {short.group(2)}")
-        promised = _sphere_frames(path) if self._f.format == "NIST" else None
-        if promised is not None and promised > self.frames + SHORT_DATA_SLACK // 2:
+        promised = _sphere_count(path) if self._f.format == "NIST" else None
+        # sample_count is per channel, but some tools count every channel's samples.
+        if promised is not None and promised > self.frames + SHORT_DATA_SLACK // 2 \
+                and promised != self.frames * self.channels:
             self.close()
             raise AudioError(path, f"truncated: the header promises {promised} samples, the file holds {self.frames}")
 
@@ -389,10 +391,14 @@ def _data_chunk(f, size: int, max_chunks: int = 1000) -> tuple[int, int] | None:
     return None
 
 
-def _sphere_frames(path: Path) -> int | None:
+def _sphere_count(path: Path) -> int | None:
     """The `sample_count` a NIST SPHERE header promises (None: it gives none)."""
     with open(path, "rb") as f:
         head = f.read(1024)
+        lines = head.split(b"\n")
+        size = int(lines[1]) if len(lines) > 1 and lines[1].strip().isdigit() else 1024
+        if size > 1024:  # the header's own size, on its second line
+            head += f.read(min(size, 1 << 20) - 1024)
     for line in head.split(b"\n"):
         parts = line.split()
         if len(parts) == 3 and parts[0] == b"sample_count" and parts[2].isdigit():
@@ -454,26 +460,36 @@ class _AvSource:
     def mono_blocks(self) -> Iterator[np.ndarray]:
         # Only the sample format changes here (to float planar); the rate stays for Resampler.
         conv = self.av.AudioResampler(format="fltp")
-        packets = bad = 0
+        packets = bad = decoded = 0
         try:
             for packet in self._c.demux(self._s):
                 packets += 1
                 try:
                     frames = packet.decode()
-                except self.av.InvalidDataError:
-                    # A packet the decoder cannot take is skipped, as FFmpeg's own command does:
-                    # `cat a.mp3 b.mp3` puts b's ID3 tag mid-stream, downloads end in zero
-                    # padding. Stopping there failed such files whole.
+                except self.av.FFmpegError as e:
+                    if packet.is_corrupt:  # the demuxer's own flag: a packet cut off with the file
+                        raise AudioError(self.path, f"truncated: its last packet is cut off ({e})") from e
+                    # Any other packet the decoder cannot take is skipped, as FFmpeg's own
+                    # command does: `cat a.mp3 b.mp3` puts b's ID3 tag mid-stream, downloads
+                    # end in zero padding. Stopping there failed such files whole.
                     bad += 1
                     continue
                 for frame in frames:
                     for f in conv.resample(frame):
                         planes = f.to_ndarray().astype(np.float32, copy=False)  # [channels, n]
+                        decoded += planes.shape[1]
                         yield planes[0].copy() if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
         except self.av.FFmpegError as e:
             raise AudioError(self.path, f"corrupt audio stream ({e})") from e
         if bad > max(MAX_BAD_PACKETS, BAD_PACKET_FRACTION * packets):
             raise AudioError(self.path, f"corrupt audio stream ({bad} of {packets} packets undecodable)")
+        # The container's length, where its index gives one (MP4, Matroska, ASF; FFmpeg's
+        # estimate from the size of an MP3 or ADTS stream says nothing): a cut M4A decoded to
+        # its cut as ok once bad packets were skipped.
+        indexed = any(name in INDEXED_CONTAINERS for name in self._c.format.name.split(","))
+        if indexed and self.frames - decoded > max(SHORT_FRACTION * self.frames, SHORT_SECONDS * self.rate):
+            raise AudioError(self.path, f"truncated: the container promises {self.frames / self.rate:.1f} s, "
+                                        f"the file holds {decoded / self.rate:.1f} s")
         if bad:  # the worker's stderr names the file (preprocess.NamedStderr)
             print(f"skipped {bad} undecodable packet{'s' * (bad > 1)} of {packets}", file=sys.stderr)
 

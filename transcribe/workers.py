@@ -38,6 +38,11 @@ STARTUP_S = 300.0  # a worker not ready this long after "attach" (imports, front
 # suspend, a frozen cgroup), not its workers hung; every clock is moved on by the gap.
 STALL_S = 5.0
 MAX_START_FAILURES = 3  # workers dying before ready this many times in a row: give up
+# A worker computes on one thread in every library it loads (one worker per core, by design):
+# numpy's OpenBLAS, which the resampler's products run on, started a thread per core in each
+# worker, and 44.1 kHz audio resampled 10-170x slower on a busy machine, taking the model's
+# cores. Read by the libraries as they load, so set in the environment a worker starts with.
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
 class WorkerStartError(RuntimeError):
@@ -105,9 +110,16 @@ def _spawn(ctx) -> tuple[object, object]:
     # The resource tracker is started first: starting it unblocks SIGINT (its own mask dance).
     resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    saved = {k: os.environ.get(k) for k in ONE_THREAD}
+    os.environ.update(ONE_THREAD)
     try:
         p.start()
     finally:
+        for k, v in saved.items():  # ours as it was: the model keeps its threads
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     child.close()  # so the worker's death reads as EOF here
     return p, parent
@@ -319,7 +331,9 @@ class WorkerPool:
             w.granted.discard(msg[1].slot)
             # Progress: it has a piece's allowance from here (slow storage read a long file
             # below 10x real time, and it was killed as hung with 70 % of it sent).
-            w.deadline = max(w.deadline, now + self.timeout.limit(msg[1].samples / self._rate))
+            renewed = self.timeout.limit(msg[1].samples / self._rate)
+            if now + renewed > w.deadline:  # the message then names the allowance that ran out
+                w.deadline, w.limit = now + renewed, renewed
             self.events.put(msg)
         else:  # "done" or "error": the file is over, the worker is free
             for k, v in msg[-1].items():
