@@ -793,10 +793,7 @@ def test_a_sigint_while_the_model_loads_ends_the_command_with_130_not_a_tracebac
     command printed that traceback and exited 1. It exits 130 saying nothing was transcribed,
     and the ^C, said, does not stop a later job in the same process (it had failed the next
     test's run when the tests ran in another order)."""
-    import typer
-
     import engines.loader as loader
-    from transcribe.cli_job import prepare
     from transcribe.signals import stop_if_signalled
 
     def load_interrupted(*args, **kwargs):
@@ -807,15 +804,24 @@ def test_a_sigint_while_the_model_loads_ends_the_command_with_130_not_a_tracebac
             raise AttributeError("'ExFileObject' object has no attribute 'read'") from None
 
     monkeypatch.setattr(loader, "load_engine", load_interrupted)
+    code, err = _prepare_exit(capsys)
+    assert code == 130 and "interrupted by SIGINT while the model loaded: nothing was transcribed" in err
+    stop_if_signalled()  # said, so forgotten: a later job in this process (a library caller's) runs
+
+
+def _prepare_exit(capsys) -> tuple[int, str]:
+    """(exit status, stderr) of `prepare` on one file, which must end the command."""
+    import typer
+
+    from transcribe.cli_job import prepare
+
     before = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(typer.Exit) as stopped:
             prepare([str(SPEECH / "jfk" / "jfk.flac")], "any.nemo", "cpu", None, 1)
     finally:
         signal.signal(signal.SIGINT, before)
-    assert stopped.value.exit_code == 130
-    assert "interrupted by SIGINT while the model loaded: nothing was transcribed" in capsys.readouterr().err
-    stop_if_signalled()  # said, so forgotten: a later job in this process (a library caller's) runs
+    return stopped.value.exit_code, capsys.readouterr().err
 
 
 def test_a_sigint_while_torch_imports_for_the_load_also_says_so(monkeypatch, capsys):
@@ -823,10 +829,6 @@ def test_a_sigint_while_torch_imports_for_the_load_also_says_so(monkeypatch, cap
     out of the guarded block, it ended the command with 130 and no word."""
     import importlib.abc
     import sys
-
-    import typer
-
-    from transcribe.cli_job import prepare
 
     class Interrupting(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
@@ -837,14 +839,8 @@ def test_a_sigint_while_torch_imports_for_the_load_also_says_so(monkeypatch, cap
 
     monkeypatch.delitem(sys.modules, "engines.encoder_backend", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
-    before = signal.getsignal(signal.SIGINT)
-    try:
-        with pytest.raises(typer.Exit) as stopped:
-            prepare([str(SPEECH / "jfk" / "jfk.flac")], "any.nemo", "cpu", None, 1)
-    finally:
-        signal.signal(signal.SIGINT, before)
-    assert stopped.value.exit_code == 130
-    assert "interrupted by SIGINT while the model loaded" in capsys.readouterr().err
+    code, err = _prepare_exit(capsys)
+    assert code == 130 and "interrupted by SIGINT while the model loaded" in err
 
 
 def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
