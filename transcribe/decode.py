@@ -36,7 +36,7 @@ BLOCK_BYTES = 1 << 21
 # and RF64, whose data line gives no "should be", the whole file's "riff" / "Riff size" (a WAV's
 # "RIFF" line is not read: a wrong RIFF size is common and harmless there). A cut AIFF, AU, W64
 # or RF64 was transcribed as ok without 40 % of its audio. NIST SPHERE logs nothing
-# (`_sphere_frames`).
+# (`_sphere_count`).
 _SHORT_DATA = re.compile(r"^\s*(?:data|SSND|Data Size|riff|Riff size)\s*:\s*(\d+) \(should be (\d+)\)",
                          re.MULTILINE)
 _UNKNOWN_SIZES = (0, 0xFFFFFFFF)  # streaming writers leave the size open: not truncation (`_open_wav`)
