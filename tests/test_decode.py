@@ -160,3 +160,20 @@ def test_sphere_files_are_read_as_their_headers_say(tmp_path):
     _sphere(path, stereo, stereo.shape[0])
     path.write_bytes(path.read_bytes().replace(b"channel_count -i 1", b"channel_count -i 2"))
     assert _read(path)[0].shape[0] == x.shape[0]
+
+
+def test_a_segment_of_an_m4a_is_sought_and_equals_the_whole_decode(tmp_path):
+    """A manifest segment of an M4A seeks through the container's index (from a second before,
+    for the codec's state to settle) instead of decoding from the file's start each time: the
+    same samples as cutting the whole decode."""
+    path = tmp_path / "talk.m4a"
+    _m4a(path, 30.0)
+    whole, _ = _read(path)
+    for start, length in ((0.0, 3.0), (0.7, 2.0), (5.3, 4.1), (12.71, 10.0), (27.0, None)):
+        with AudioStream(path, RATE, span=(start, length)) as s:
+            got = np.concatenate(list(s.blocks()))
+            sought = s._source._from
+        a = round(start * RATE)
+        assert sought == (a if start > 1.0 else None)  # from its index, where there is a second before
+        want = whole[a:] if length is None else whole[a:a + round(length * RATE)]
+        assert got.shape == want.shape and np.array_equal(got, want), (start, np.abs(got - want).max())

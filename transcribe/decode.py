@@ -61,6 +61,11 @@ JOINED_MP3_SLACK = 0.01, 8192
 # FFmpeg's names of the containers a file libsndfile cannot open is read as (by content).
 MEDIA_CONTAINERS = frozenset("mov mp4 m4a 3gp 3g2 aac matroska webm asf amr".split())
 INDEXED_CONTAINERS = frozenset("mov mp4 m4a 3gp 3g2 matroska webm asf".split())  # lengths from an index
+PREROLL_S = 1.0  # decoded before a segment's start after a seek, then dropped
+# Containers whose frames' timestamps count samples exactly (an MP4 track's time scale is its
+# rate), so a segment sought through the index equals the whole decode cut. Matroska's are
+# milliseconds, and Opus drops its pre-skip: a WebM segment came out misaligned (0.7 off).
+SEEKABLE_CONTAINERS = frozenset("mov mp4 m4a 3gp 3g2".split())
 # Undecodable packets PyAV skips before a file counts as corrupt rather than joined or padded.
 MAX_BAD_PACKETS, BAD_PACKET_FRACTION = 8, 0.01
 # Fewer bytes per second of audio than any speech codec needs (2.4 kbps is 300 B/s): what a
@@ -198,7 +203,8 @@ class AudioStream:
 
     def _mono_blocks(self) -> Iterator[np.ndarray]:
         """The source's mono blocks at its own rate, only those of the span for a segment
-        (soundfile seeks to its start; PyAV decodes from the beginning and drops the rest)."""
+        (soundfile seeks to its start; PyAV through an MP4's index, else it decodes from the
+        beginning and drops the samples before it)."""
         if self.span is None:
             yield from self._source.mono_blocks()
             return
@@ -434,6 +440,10 @@ class _AvSource:
         self._s = self._c.streams.audio[0]
         self.rate, self.channels = int(self._s.codec_context.sample_rate or 0), int(self._s.codec_context.layout.nb_channels or 0)
         self.frames = int(self._s.duration * self._s.time_base * self.rate) if self._s.duration else 0
+        kinds = self._c.format.name.split(",")
+        self._indexed = any(name in INDEXED_CONTAINERS for name in kinds)
+        self._seekable = any(name in SEEKABLE_CONTAINERS for name in kinds)
+        self._from: int | None = None  # after a seek: the first sample to yield
 
     @classmethod
     def sniffed(cls, path: Path) -> "_AvSource | None":
@@ -455,7 +465,17 @@ class _AvSource:
             return None
 
     def seek(self, frame: int) -> int:
-        return 0  # container seeks land on packet boundaries: the caller drops samples instead
+        """Start at `frame`: through the container's index where it has one, from PREROLL_S
+        before (seeks land on packets, and a codec's state, AAC's overlap, needs frames to
+        settle), the samples before `frame` dropped by their timestamps; returns the frames
+        skipped. Else 0: the caller drops samples from the start (a manifest cutting an hour
+        of M4A into 240 segments decoded 120 h that way)."""
+        start = frame - PREROLL_S * self.rate
+        if start <= 0 or not self._seekable:
+            return 0
+        self._c.seek(int(start / self.rate / self._s.time_base), stream=self._s, backward=True)
+        self._from = frame
+        return frame
 
     def mono_blocks(self) -> Iterator[np.ndarray]:
         # Only the sample format changes here (to float planar); the rate stays for Resampler.
@@ -475,9 +495,14 @@ class _AvSource:
                     bad += 1
                     continue
                 for frame in frames:
+                    drop = self._before_start(frame)
                     for f in conv.resample(frame):
                         planes = f.to_ndarray().astype(np.float32, copy=False)  # [channels, n]
                         decoded += planes.shape[1]
+                        if drop >= planes.shape[1]:
+                            drop -= planes.shape[1]
+                            continue
+                        planes, drop = planes[:, drop:], 0
                         yield planes[0].copy() if planes.shape[0] == 1 else planes.mean(axis=0, dtype=np.float32)
         except self.av.FFmpegError as e:
             raise AudioError(self.path, f"corrupt audio stream ({e})") from e
@@ -486,12 +511,21 @@ class _AvSource:
         # The container's length, where its index gives one (MP4, Matroska, ASF; FFmpeg's
         # estimate from the size of an MP3 or ADTS stream says nothing): a cut M4A decoded to
         # its cut as ok once bad packets were skipped.
-        indexed = any(name in INDEXED_CONTAINERS for name in self._c.format.name.split(","))
-        if indexed and self.frames - decoded > max(SHORT_FRACTION * self.frames, SHORT_SECONDS * self.rate):
+        if self._indexed and self._from is None and \
+                self.frames - decoded > max(SHORT_FRACTION * self.frames, SHORT_SECONDS * self.rate):
             raise AudioError(self.path, f"truncated: the container promises {self.frames / self.rate:.1f} s, "
                                         f"the file holds {decoded / self.rate:.1f} s")
         if bad:  # the worker's stderr names the file (preprocess.NamedStderr)
             print(f"skipped {bad} undecodable packet{'s' * (bad > 1)} of {packets}", file=sys.stderr)
+
+    def _before_start(self, frame) -> int:
+        """Samples of decoded `frame` before the sought start (0 when not seeking, or past it)."""
+        if self._from is None:
+            return 0
+        if frame.pts is None:
+            raise AudioError(self.path, "cannot seek to a segment: the stream's frames carry no timestamps")
+        at = round(frame.pts * frame.time_base * self.rate)
+        return max(0, min(self._from - at, frame.samples))
 
     def close(self) -> None:
         self._c.close()
