@@ -20,7 +20,7 @@ def test_any_blocks_give_the_same_samples(rate):
         parts.append(stream.resample_chunk(x[at:at + size]))
         at += size
     parts.append(stream.resample_chunk(np.zeros(0, np.float32), last=True))
-    assert np.array_equal(np.concatenate(parts)[:whole.shape[0]], whole)
+    assert np.array_equal(np.concatenate(parts), whole)  # the stream comes to the same length itself
     assert whole.shape[0] == output_length(x.shape[0], rate, 16000)
 
 

@@ -3,9 +3,8 @@
 A worker never holds a whole long file: soundfile reads fixed blocks into one reused buffer,
 channels are averaged, and `transcribe.resample.Resampler` (NeMo's `transcribe()`
 resampling) resamples block by block. It gives the same samples as one-shot
-`transcribe.audio.resample` for any block size, and the final length is fixed to lhotse's
-round-half-up(n * target / source) as that does, so files decode exactly as `load_audio`
-decodes them. Containers libsndfile cannot read (mp4, m4a,
+`transcribe.resample.resample` for any block size, to lhotse's length, so files decode
+exactly as `load_audio` decodes them. Containers libsndfile cannot read (mp4, m4a,
 aac, webm, ...) go through PyAV, the optional `av` extra, imported only when needed.
 """
 from __future__ import annotations
@@ -22,7 +21,7 @@ import soundfile as sf
 # _check_path / _open_error: the same file checks and libsndfile messages as load_audio.
 from transcribe.audio import DEFAULT_MIN_SAMPLES, AudioError, _check_path, _open_error, sndfile_path
 from transcribe.ogg_end import ogg_chained, ogg_cut_off
-from transcribe.resample import Resampler, output_length
+from transcribe.resample import Resampler
 
 AV_EXTENSIONS = frozenset(".mp4 .m4a .m4b .aac .webm .weba .mkv .mka .mov .wma .3gp .3g2 .amr".split())
 MIN_RATE, MAX_RATE = 4000, 768_000  # below 4 kHz speech is cut to under 2 kHz bandwidth
@@ -168,7 +167,8 @@ class AudioStream:
         self._source.close()
 
     def blocks(self) -> Iterator[np.ndarray]:
-        """Mono float32 blocks at target_rate; the last one is held back to fix the length."""
+        """Mono float32 blocks at target_rate (their total is `Resampler`'s length); the last
+        one is checked against `min_samples` before it is given."""
         rate = self._source.rate
         stream = None if rate == self.target_rate else Resampler(rate, self.target_rate)
         n_in, held = 0, None
@@ -193,8 +193,6 @@ class AudioStream:
         if stream is not None:
             tail.append(stream.resample_chunk(np.zeros(0, np.float32), last=True))
         last = np.concatenate(tail) if len(tail) > 1 else tail[0]
-        want = output_length(n_in, rate, self.target_rate) - self.samples
-        last = last[:want] if last.shape[0] >= want else np.pad(last, (0, want - last.shape[0]))
         self.samples += last.shape[0]
         if self.samples < self.min_samples:
             raise AudioError(self.path, f"too short: {self.samples} samples at {self.target_rate} Hz, "
@@ -440,29 +438,25 @@ class _AvSource:
         self._s = self._c.streams.audio[0]
         self.rate, self.channels = int(self._s.codec_context.sample_rate or 0), int(self._s.codec_context.layout.nb_channels or 0)
         self.frames = int(self._s.duration * self._s.time_base * self.rate) if self._s.duration else 0
-        kinds = self._c.format.name.split(",")
-        self._indexed = any(name in INDEXED_CONTAINERS for name in kinds)
-        self._seekable = any(name in SEEKABLE_CONTAINERS for name in kinds)
+        self._kinds = self._c.format.name.split(",")  # FFmpeg's names of what it found: "mov,mp4,m4a,..."
+        self._indexed = not INDEXED_CONTAINERS.isdisjoint(self._kinds)
+        self._seekable = not SEEKABLE_CONTAINERS.isdisjoint(self._kinds)
         self._from: int | None = None  # after a seek: the first sample to yield
 
     @classmethod
     def sniffed(cls, path: Path) -> "_AvSource | None":
         """PyAV's reading of a file whose content FFmpeg takes for one of MEDIA_CONTAINERS,
         else None (no PyAV, not such a container, no audio)."""
-        av = _import_av()
-        if av is None:
+        if _import_av() is None:
             return None
         try:
-            with av.open(str(path)) as c:
-                kind = c.format.name
-        except (av.FFmpegError, OSError):
-            return None
-        if not any(name in MEDIA_CONTAINERS for name in kind.split(",")):
-            return None
-        try:
-            return cls(path, f"a {kind.split(',')[0]} file")
+            source = cls(path)
         except AudioError:
             return None
+        if MEDIA_CONTAINERS.isdisjoint(source._kinds):
+            source.close()
+            return None
+        return source
 
     def seek(self, frame: int) -> int:
         """Start at `frame`: through the container's index where it has one, from PREROLL_S

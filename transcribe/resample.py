@@ -56,10 +56,11 @@ def _filter(up: int, down: int) -> tuple[np.ndarray, int]:
 
 class Resampler:
     """NeMo's (lhotse's) resampling of one stream, fed in blocks of any size.
-    `resample_chunk(x, last)` has soxr.ResampleStream's signature; the caller trims the total to
-    `output_length`."""
+    `resample_chunk(x, last)` has soxr.ResampleStream's signature; all it returns comes to
+    `output_length` of what was fed."""
 
     def __init__(self, source_rate: int, target_rate: int):
+        self.source_rate, self.target_rate = source_rate, target_rate
         g = math.gcd(source_rate, target_rate)
         self.orig, self.new = orig, new = source_rate // g, target_rate // g
         h, skip = _filter(new, orig)
@@ -87,6 +88,7 @@ class Resampler:
         self._offset = 0  # index in the padded stream of _buf[0]
         self._group = 0  # next group to compute
         self._fed = 0
+        self._emitted = 0
 
     def _taps(self, h: np.ndarray, centre: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """kernel[p, c] for columns `cols` ([new, k] or [1, k]): h's tap, 0 outside h."""
@@ -96,7 +98,9 @@ class Resampler:
 
     def resample_chunk(self, x: np.ndarray, last: bool = False) -> np.ndarray:
         """Outputs of each whole chunk of groups whose inputs are all in; with `last`, of every
-        group up to resample_poly's ceil(n * new / orig) outputs, the end zero-padded."""
+        group up to resample_poly's ceil(n * new / orig) outputs (the end zero-padded), of which
+        lhotse keeps `output_length`. A group is computed once all it reads is in, so before
+        `last` the outputs stay short of that length, and only the last call is cut."""
         self._fed += x.shape[0]
         self._buf = np.concatenate([self._buf, np.asarray(x, np.float32)])
         if last:
@@ -114,7 +118,11 @@ class Resampler:
         if drop > 0:
             self._buf = self._buf[drop:]
             self._offset += drop
-        return np.concatenate(outs) if outs else np.zeros(0, np.float32)
+        out = np.concatenate(outs) if outs else np.zeros(0, np.float32)
+        if last:
+            out = out[:max(output_length(self._fed, self.source_rate, self.target_rate) - self._emitted, 0)]
+        self._emitted += out.shape[0]
+        return out
 
     def _groups(self, first: int, end: int) -> np.ndarray:
         """Outputs of groups [first, end) as [n * new] float32."""
@@ -138,6 +146,4 @@ def resample(x: np.ndarray, source_rate: int, target_rate: int) -> np.ndarray:
     """[n] float32 at source_rate -> [output_length(n)] float32 at target_rate, in one call."""
     if source_rate == target_rate:
         return x
-    y = Resampler(source_rate, target_rate).resample_chunk(x, last=True)
-    n_out = output_length(x.shape[0], source_rate, target_rate)
-    return np.ascontiguousarray(y[:n_out]) if y.shape[0] >= n_out else np.pad(y, (0, n_out - y.shape[0]))
+    return np.ascontiguousarray(Resampler(source_rate, target_rate).resample_chunk(x, last=True))
