@@ -281,9 +281,7 @@ class _SoundfileSource:
                 raise self._read_error(e) from e
             self._at += got.shape[0]
             if got.shape[0] == 0:
-                if self.frames - self._at > max(self.short_fraction * self.frames, SHORT_SECONDS * self.rate):
-                    raise AudioError(self.path, f"truncated: the header promises {self.frames / self.rate:.1f} s, "
-                                                f"the file holds {self._at / self.rate:.1f} s")
+                _check_whole(self.path, "header", self.frames, self._at, self.rate, self.short_fraction)
                 return
             # A fresh array either way: `buf` is reused for the next block.
             yield got[:, 0].copy() if self.channels == 1 else got.mean(axis=1, dtype=np.float32)
@@ -300,6 +298,15 @@ class _SoundfileSource:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _check_whole(path: Path, source: str, promised: int, held: int, rate: int,
+                 fraction: float = SHORT_FRACTION) -> None:
+    """AudioError when decoding ended short of the length the `source` ("header") promised by
+    more than max(fraction of it, SHORT_SECONDS): a cut-off file."""
+    if promised - held > max(fraction * promised, SHORT_SECONDS * rate):
+        raise AudioError(path, f"truncated: the {source} promises {promised / rate:.1f} s, "
+                               f"the file holds {held / rate:.1f} s")
 
 
 def joined_mp3(path: Path) -> tuple[int, int] | None:
@@ -505,10 +512,8 @@ class _AvSource:
         # The container's length, where its index gives one (MP4, Matroska, ASF; FFmpeg's
         # estimate from the size of an MP3 or ADTS stream says nothing): a cut M4A decoded to
         # its cut as ok once bad packets were skipped.
-        if self._indexed and self._from is None and \
-                self.frames - decoded > max(SHORT_FRACTION * self.frames, SHORT_SECONDS * self.rate):
-            raise AudioError(self.path, f"truncated: the container promises {self.frames / self.rate:.1f} s, "
-                                        f"the file holds {decoded / self.rate:.1f} s")
+        if self._indexed and self._from is None:
+            _check_whole(self.path, "container", self.frames, decoded, self.rate)
         if bad:  # the worker's stderr names the file (preprocess.NamedStderr)
             print(f"skipped {bad} undecodable packet{'s' * (bad > 1)} of {packets}", file=sys.stderr)
 
