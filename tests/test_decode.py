@@ -52,18 +52,25 @@ def test_a_wav_whose_size_counts_a_few_bytes_too_many_reads_whole(tmp_path):
     assert got.shape[0] == RATE
 
 
-def _mp3(path: Path, seconds: float, seed: int, title: str) -> None:
-    """An MP3 as LAME and FFmpeg write them: an ID3v2 tag, then a Xing header."""
+def _encoded(path: Path, container: str, codec: str, seconds: float, seed: int = 0, title: str | None = None,
+             **options: str) -> None:
+    """`seconds` of noise encoded by FFmpeg (PyAV) with `codec` into `container`."""
     av = pytest.importorskip("av")
-    with av.open(str(path), "w", format="mp3") as out:
-        out.metadata["title"] = title
-        stream = out.add_stream("libmp3lame", rate=RATE, layout="mono")
+    with av.open(str(path), "w", format=container, options=options) as out:
+        if title is not None:
+            out.metadata["title"] = title
+        stream = out.add_stream(codec, rate=RATE, layout="mono")
         samples = _noise(seconds, seed)
-        for i in range(0, samples.shape[0], RATE):
-            frame = av.AudioFrame.from_ndarray(samples[None, i:i + RATE], format="fltp", layout="mono")
+        for i in range(0, samples.shape[0], 1024):
+            frame = av.AudioFrame.from_ndarray(samples[None, i:i + 1024], format="fltp", layout="mono")
             frame.sample_rate = RATE
             out.mux(stream.encode(frame))
         out.mux(stream.encode(None))
+
+
+def _mp3(path: Path, seconds: float, seed: int, title: str) -> None:
+    """An MP3 as LAME and FFmpeg write them: an ID3v2 tag, then a Xing header."""
+    _encoded(path, "mp3", "libmp3lame", seconds, seed, title)
 
 
 def test_joined_tagged_mp3s_and_zero_padding_read_whole(tmp_path):
@@ -81,15 +88,7 @@ def test_joined_tagged_mp3s_and_zero_padding_read_whole(tmp_path):
 
 
 def _m4a(path: Path, seconds: float, **options: str) -> None:
-    av = pytest.importorskip("av")
-    with av.open(str(path), "w", format="mp4", options=options) as out:
-        stream = out.add_stream("aac", rate=RATE, layout="mono")
-        samples = _noise(seconds)
-        for i in range(0, samples.shape[0], 1024):
-            frame = av.AudioFrame.from_ndarray(samples[None, i:i + 1024], format="fltp", layout="mono")
-            frame.sample_rate = RATE
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode(None))
+    _encoded(path, "mp4", "aac", seconds, **options)
 
 
 def test_an_mp4_named_mp3_is_read_for_what_it_is(tmp_path):
