@@ -128,7 +128,7 @@ class AudioStream:
             if source.open_wav:
                 source.close()
                 return _AvSource(self.path, source.open_wav)
-            joined = joined_mp3(self.path) if source.format == "MP3" else None
+            joined = _joined(source.xing) if source.format == "MP3" else None
             if joined is None:
                 return source
             declared, held = joined
@@ -231,27 +231,25 @@ class _SoundfileSource:
         except (sf.SoundFileError, OSError) as e:
             raise _open_error(path, e) from e
         self.rate, self.channels, self.frames = int(self._f.samplerate), int(self._f.channels), int(self._f.frames)
-        short = _SHORT_DATA.search(self._f.extra_info)
-        if short and int(short.group(1)) not in _UNKNOWN_SIZES and \
-                int(short.group(2)) + SHORT_DATA_SLACK < int(short.group(1)):
-            self.close()
-            raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
-                                   f"the file holds {short.group(2)}")
-        promised = _sphere_count(path) if self._f.format == "NIST" else None
-        # sample_count is per channel, but some tools count every channel's samples.
-        if promised is not None and promised > self.frames + SHORT_DATA_SLACK // 2 \
-                and promised != self.frames * self.channels:
-            self.close()
-            raise AudioError(path, f"truncated: the header promises {promised} samples, the file holds {self.frames}")
-
         self._at = 0  # the frame the next read starts at
         self.format = self._f.format
-        # An MP3 whose Xing/Info header counts its frames has an exact length: a cut one lost
-        # up to 5 % (3 min an hour) as ok. Without one libsndfile estimates from the size.
-        xing = _xing(path) if self.format == "MP3" else None
-        self.short_fraction = 0.0 if xing is not None and xing[1] > 0 else SHORT_FRACTION
         self.chained = self.frames == _UNKNOWN_FRAMES or _OGG_JUNK in self._f.extra_info
-        try:  # only a WAV that reads as empty or holds over 4 GiB can have samples libsndfile misses
+        try:  # a libsndfile handle is closed on any error below: workers are long-lived
+            short = _SHORT_DATA.search(self._f.extra_info)
+            if short and int(short.group(1)) not in _UNKNOWN_SIZES and \
+                    int(short.group(2)) + SHORT_DATA_SLACK < int(short.group(1)):
+                raise AudioError(path, f"truncated: the header promises {short.group(1)} data bytes, "
+                                       f"the file holds {short.group(2)}")
+            promised = _sphere_count(path) if self.format == "NIST" else None
+            # sample_count is per channel, but some tools count every channel's samples.
+            if promised is not None and promised > self.frames + SHORT_DATA_SLACK // 2 \
+                    and promised != self.frames * self.channels:
+                raise AudioError(path, f"truncated: the header promises {promised} samples, the file holds {self.frames}")
+            # An MP3 whose Xing/Info header counts its frames has an exact length: a cut one lost
+            # up to 5 % (3 min an hour) as ok. Without one libsndfile estimates from the size.
+            self.xing = _xing(path) if self.format == "MP3" else None  # read once: `_joined` looks too
+            self.short_fraction = 0.0 if self.xing is not None and self.xing[1] > 0 else SHORT_FRACTION
+            # only a WAV that reads as empty or holds over 4 GiB can have samples libsndfile misses
             self.open_wav = _open_wav(path) if self.format in ("WAV", "WAVEX") and (
                 self.frames == 0 or path.stat().st_size > 0xFFFFFFFF) else None
         except AudioError:
@@ -313,7 +311,11 @@ def joined_mp3(path: Path) -> tuple[int, int] | None:
     """(MPEG bytes the first frame's Xing/Info header declares, MPEG bytes the file holds) for
     an MP3 holding more than that header declares (JOINED_MP3_SLACK), else None (also when it
     has no such header, or no byte count in it)."""
-    xing = _xing(path)
+    return _joined(_xing(path))
+
+
+def _joined(xing: tuple[int, int, int, int] | None) -> tuple[int, int] | None:
+    """`joined_mp3` of an MP3's `_xing` header, read already."""
     if xing is None or not xing[0] & 2:  # no byte count
         return None
     declared, held = xing[2], xing[3]
