@@ -657,8 +657,12 @@ def test_killed_runs_resume_with_one_line_per_file_and_redo_nothing(tmp_path):
     _assert_clean(out)  # what the kills left mid-write was swept (planted for sure in the lock test)
 
 
-@pytest.mark.parametrize("sig, code, force", [(signal.SIGTERM, 143, ()), (signal.SIGINT, 130, ("--force",))])
-def test_sigterm_and_sigint_stop_cleanly(tmp_path, sig, code, force):
+@pytest.mark.parametrize("sig, code, force", [(signal.SIGTERM, 143, ()), (signal.SIGINT, 130, ("--force",)),
+                                              (signal.SIGHUP, 129, ()), (signal.SIGUSR1, 138, ())])
+def test_stop_signals_stop_cleanly(tmp_path, sig, code, force):
+    """SIGHUP (a terminal closed under a job without nohup) and SIGUSR1 (Slurm's `--signal`
+    warning of a time limit) killed the process outright, dropping the files transcribed but
+    not yet handed to the writer, with no word: they stop it as SIGTERM does."""
     inp, out = tmp_path / "in", tmp_path / "out"
     _copies(inp, N_JOB)
     p = _cli(str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10", *force)
@@ -857,3 +861,63 @@ def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     assert p.returncode == 0 and "interrupted" not in stderr, stderr
     assert len(_rows(out)) == N_JOB and all(r["status"] == "ok" for r in _rows(out))
     _assert_clean(out)
+
+
+def _closed_pipe() -> int:
+    """The write end of a pipe nobody reads (`transcribe ... 2>&1 | head -1` once head is done)."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+@pytest.mark.parametrize("how", ["stderr a closed pipe", "stderr a full disk", "stderr closed", "stdout a full disk"])
+def test_a_log_that_stops_taking_writes_does_not_stop_the_job(tmp_path, how):
+    """A cron log on a full disk, `2>&1 | head -1` or `2>&-`: the first error line raised (EPIPE,
+    ENOSPC, or sys.stderr None) and the job ended with exit 1, the files finished but not yet
+    logged lost (results.jsonl empty with 4 of 5 files transcribed). Now what cannot be said is
+    dropped and the job ends as it would have: every file logged, exit 3 for the bad one."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 4)
+    (inp / "bad.wav").write_text("not audio")
+    streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    closed = None
+    if how == "stderr a closed pipe":
+        closed = streams["stderr"] = _closed_pipe()
+    elif how == "stderr a full disk":
+        streams["stderr"] = open("/dev/full", "w")
+    elif how == "stdout a full disk":
+        streams["stdout"] = open("/dev/full", "w")
+    p = subprocess.run([sys.executable, "-m", "transcribe.cli", str(inp), "--model", str(Reference("tdt_tiny").nemo),
+                        "--out", str(out)], cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=600,
+                       preexec_fn=(lambda: os.close(2)) if how == "stderr closed" else None, **streams)
+    if closed is not None:
+        os.close(closed)
+    rows = _rows(out)
+    assert p.returncode == 3, how
+    assert sorted((Path(r["audio_filepath"]).name, r["status"]) for r in rows) == \
+        [("bad.wav", "error")] + [(f"f{i:02d}.flac", "ok") for i in range(4)]
+
+
+def test_a_ctrl_c_stops_a_shell_loop_over_folders(tmp_path):
+    """`for d in ...; do transcribe "$d" ...; done` and a ^C: the command exited 130, which a
+    shell takes for a child that handled the signal, and went on to the next folder (one ^C
+    per folder). It now ends by SIGINT itself once its work is written, as Python does for an
+    uncaught KeyboardInterrupt; the shell still reports 130."""
+    inp = tmp_path / "in"
+    _copies(inp, N_JOB)
+    model = str(Reference("tdt_tiny").nemo)
+    loop = (f'for i in 1 2; do "{sys.executable}" -m transcribe "{inp}" --model "{model}" --out "{tmp_path}/out$i" '
+            '--batch-seconds 10; echo "went on after run $i: $?"; done')
+    # A shell of its own session whose ^C (SIGINT to the group) is not ignored, as a terminal's.
+    shell = subprocess.Popen(["bash", "-c", loop], cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 240
+    while len(_rows(tmp_path / "out1")) < 2:
+        assert shell.poll() is None and time.monotonic() < deadline, shell.communicate()
+        time.sleep(0.05)
+    os.killpg(shell.pid, signal.SIGINT)
+    stdout, stderr = shell.communicate(timeout=60)
+    assert "went on" not in stdout and not (tmp_path / "out2").exists(), (stdout, stderr)
+    # The shell too ends by the signal, as a loop of `sleep`s does (its caller's $? reads 130).
+    assert shell.returncode == -signal.SIGINT and "interrupted by SIGINT: finished files are written" in stderr, stderr

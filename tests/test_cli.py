@@ -1,6 +1,7 @@
 """The command line end to end: NeMo parity through files on disk, exit codes, resume."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -900,11 +901,12 @@ main()
 """
 
 
-def test_a_ctrl_c_during_the_imports_exits_130_without_a_traceback():
+def test_a_ctrl_c_during_the_imports_ends_by_sigint_without_a_traceback():
     """The console script's target imports the CLI under a ^C guard: a ^C in its first tenth of
-    a second printed twenty lines of KeyboardInterrupt traceback."""
+    a second printed twenty lines of KeyboardInterrupt traceback. It ends by SIGINT, as a ^C
+    later does (a shell reads 130; transcribe/__main__.py says why)."""
     p = subprocess.run([sys.executable, "-c", _CTRL_C_IN_IMPORTS, "--help"], capture_output=True, text=True, timeout=60)
-    assert (p.returncode, p.stdout, p.stderr) == (130, "", "")
+    assert (p.returncode, p.stdout, p.stderr) == (-signal.SIGINT, "", "")
 
 
 @needs_shared

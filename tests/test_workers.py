@@ -1,5 +1,6 @@
 """Preprocessing workers: streamed decoding, the pool's protocol, crashes, hangs, bounded memory,
 and the Parakeet frontend's per-piece features against batched LogMel."""
+import errno
 import os
 import pickle
 import signal
@@ -15,7 +16,9 @@ from conftest import Reference, needs_shared
 from transcribe.audio import load_audio
 from transcribe.decode import AudioStream
 from transcribe.shm import Slab
-from transcribe.workers import FileTimeout, Prespawned, WorkerPool
+from transcribe.preprocess import WORKERS_IGNORE
+from transcribe.signals import STOP_SIGNALS
+from transcribe.workers import FileTimeout, Prespawned, WorkerPool, WorkerStartError
 
 SR = 16000
 CRASH_LEN, HANG_LEN, RAISE_LEN = 12_345, 13_579, 14_321  # audio lengths that trigger a fault
@@ -711,17 +714,69 @@ def test_a_stopped_job_moves_its_clocks_on():
         assert (w.deadline, w.started) == (165.0, 115.0)
 
 
-def test_a_sigint_in_a_workers_first_seconds_is_ignored():
-    """A ^C reaches the whole process group; a worker still importing (before it ignores
-    SIGINT) died with a KeyboardInterrupt traceback. It starts with SIGINT blocked."""
+@pytest.mark.parametrize("signum", WORKERS_IGNORE)
+def test_a_stop_signal_to_the_process_group_leaves_the_workers_to_the_main_process(signum):
+    """A ^C, SIGHUP or SIGUSR1 reaches the whole process group; a worker still importing
+    (before it ignores them) died with a KeyboardInterrupt traceback, or by the signal, its file
+    failed as "worker process died" while the main process stopped in order. A worker starts
+    with them blocked, then ignores them, sent early or late."""
     with Prespawned(2) as spares:
         processes = [p for p, _ in spares._spare]
         for p in processes:
-            os.kill(p.pid, signal.SIGINT)  # at once: the child is still starting its interpreter
+            os.kill(p.pid, signum)  # at once: the child is still starting its interpreter
         time.sleep(4.0)
+        for p in processes:
+            os.kill(p.pid, signum)  # and once it is waiting
+        time.sleep(0.5)
         assert all(p.is_alive() for p in processes), [p.exitcode for p in processes]
-    # And the main thread's own mask is as it was: a ^C still reaches this process.
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    # And the main thread's own mask is as it was: the signal still reaches this process.
+    assert not set(STOP_SIGNALS) & signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+
+def test_a_worker_left_behind_still_ends_on_sigterm():
+    """multiprocessing's exit handler ends a daemon worker a failed job left behind with
+    SIGTERM, then joins it: a worker ignoring SIGTERM hung the command's exit for good."""
+    assert signal.SIGTERM in STOP_SIGNALS and signal.SIGTERM not in WORKERS_IGNORE
+    with Prespawned(1) as spares:
+        process = spares._spare[0][0]
+        time.sleep(3.0)  # started and waiting for its slab
+        process.terminate()
+        process.join(10)
+        assert process.exitcode == -signal.SIGTERM
+
+
+class _NoMoreProcesses:
+    """A spawn context whose processes cannot start: a cluster's limit on processes (EAGAIN)."""
+
+    def __init__(self, ctx):
+        self.Pipe = ctx.Pipe
+
+    def Process(self, *args, **kwargs):
+        class Refused:
+            def start(self):
+                raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return Refused()
+
+
+def test_a_worker_that_cannot_be_replaced_stops_the_job_saying_why(tmp_path):
+    """A worker died and its replacement could not spawn: the pool thread's error was hidden by
+    a second close of the dead worker's stderr ("Bad file descriptor", from `close`)."""
+    fe = ToyFrontend()
+    with Slab.create(4, fe.n_mels * fe.max_frames) as slab:
+        pool = WorkerPool(fe, slab, 1, FileTimeout(base_s=30.0, per_audio_s=0.0))
+        try:
+            pool.submit(0, str(_wav(tmp_path / "good.wav", 16_000)))
+            _collect(pool, 1, slab)  # the worker is ready, its stderr open; then none can spawn
+            pool._ctx = _NoMoreProcesses(pool._ctx)
+        except Exception:
+            pool.close()
+            raise
+        pool.submit(1, str(_wav(tmp_path / "crash.wav", CRASH_LEN)))
+        events = [pool.events.get(timeout=60) for _ in range(2)]
+        pool.close()  # raised OSError: [Errno 9] Bad file descriptor
+    assert events[0][:2] == ("error", 1) and "worker process died" in events[0][2], events
+    assert events[1][0] == "fatal" and isinstance(events[1][1], WorkerStartError)
+    assert "cannot start a preprocessing worker: Resource temporarily unavailable" in str(events[1][1])
 
 
 def test_workers_compute_on_one_thread_and_the_main_process_keeps_its_environment(monkeypatch):

@@ -4,8 +4,9 @@
 Exit status (a contract other tools rely on): 0 every file transcribed; 3 some files failed
 (the rest are done, failures are in results.jsonl); 1 nothing could run (no model, no
 inputs, an output folder that cannot be written or is in use) or the output disk stopped
-taking writes; 2 usage error. Stopped by SIGINT / SIGTERM: 130 / 143 (128 + the signal, as a
-shell reports it), with every file finished so far written; rerunning the command resumes.
+taking writes; 2 usage error. Stopped by a signal (signals.STOP_SIGNALS): 128 + it (SIGTERM 143),
+with every file finished so far written; rerunning the command resumes. After a ^C the
+console script ends by SIGINT itself (__main__.py), which a shell reports as 130.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from transcribe.cli_options import (BATCH_SECONDS, DECODER_MODE, DEVICE, DTYPE, 
                                     EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, FEATURES_ON, LANGUAGE, LOG_LEVELS, MODEL, PROMPT,
                                     TASK, WORKERS, check_choice, check_runtime, check_streaming, fail, file_path,
                                     folder_option, out_folder, refuse_empty)
+from transcribe.stdio import steady_std_streams
 
 SUBCOMMANDS = ("bench", "merge", "models", "stream", "serve", "export-engine")
 
@@ -383,6 +385,9 @@ def models() -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point: a subcommand name first picks that subcommand, else transcribe."""
     args = sys.argv[1:] if argv is None else argv
+    # A log that breaks mid-run (a closed pipe, a full disk) does not stop the job; `stream`
+    # prints its result on stdout, so a pipe closing there ends it (transcribe/stdio.py).
+    steady_std_streams(stdout=not (args and args[0] == "stream"))
     app = sub_app if args and args[0] in SUBCOMMANDS else main_app
     app(args=args, prog_name="transcribe")
 

@@ -39,7 +39,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     # is said in a fraction of a second, not after torch's seconds of import.
     from engines.loader import OptionError, checked_model, settings_before_load
     from transcribe.signals import remember_sigint
-    from transcribe.workers import Prespawned, default_workers
+    from transcribe.workers import Prespawned, WorkerStartError, default_workers
 
     remember_sigint()
     language, part = checked_options(model, device, shard_spec, encoder_backend, decoder_mode, features_on,
@@ -62,7 +62,10 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     # No more workers than files, nor, this early (some files may be done already; the job
     # spawns what it lacks), than cores: each is a process importing torch (~250 MB), and
     # `--workers 1000` on one file spawned them all, 0.5 GB more a second until the machine ran out.
-    spares = Prespawned(min(workers or default_workers(), len(files), os.cpu_count() or 1))
+    try:
+        spares = Prespawned(min(workers or default_workers(), len(files), os.cpu_count() or 1))
+    except WorkerStartError as e:
+        raise fail(str(e), EXIT_NOTHING_RAN)
     engine = None
     try:
         engine = loaded_engine(model, chosen, device, encoder_backend, decoder_mode, features_on, dtype,
@@ -110,6 +113,11 @@ def discovered(inputs: list[str], part, out: Optional[Path], report: Optional[Pa
     from transcribe.inputs import InputError, discover, shard
 
     refuse_empty(inputs, "an INPUT", "file or folder")
+    try:
+        os.getcwd()  # relative paths, and each worker's start, need it
+    except FileNotFoundError:
+        raise fail("the working folder no longer exists (removed since the shell entered it): cd to one that "
+                   "does", EXIT_NOTHING_RAN)
     try:
         found = discover(inputs)
     except InputError as e:

@@ -27,6 +27,9 @@ import numpy as np
 from transcribe.decode import AudioError, AudioStream
 from transcribe.segmenting import PieceCutter
 from transcribe.shm import Slab, SlabSpec
+from transcribe.signals import STOP_SIGNALS
+
+WORKERS_IGNORE = tuple(s for s in STOP_SIGNALS if s != signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,15 @@ def worker_boot(conn) -> None:
     Split from `worker_main` so workers can be spawned while the main process still loads the
     model (`workers.Prespawned`): the ~1.5 s of interpreter start and torch import overlap
     the load instead of following it."""
-    # ^C reaches the whole process group; the main process stops the workers in order. SIGINT
-    # came blocked from `workers._spawn`: ignored first, then unblocked, one pending is dropped.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # ^C, SIGHUP or SIGUSR1 to the process group reaches every worker; the main process stops
+    # the workers in order (one killed by the signal first had its file fail as "worker process
+    # died"). They came blocked from `workers._spawn`: ignored first, then unblocked, one
+    # pending is dropped. Not SIGTERM: multiprocessing's exit handler stops a worker the job
+    # left behind with it (ignored, the exit hung in its join). A worker also dies with the
+    # main process (`_die_with_parent`).
+    for s in WORKERS_IGNORE:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKERS_IGNORE)
     _die_with_parent()
     import torch
 

@@ -1,7 +1,8 @@
-"""SIGINT and SIGTERM, for a transcribing command: remembered from the command's start
-(`remember_sigint`), raised as `Interrupted` in the main thread while the job runs
-(`signals_raise`), and forgotten once said, so that a later job in the same process starts
-afresh. Imports no torch: the command line checks its options before torch's seconds of import.
+"""SIGINT and the other signals that stop a job (`STOP_SIGNALS`), for a transcribing command:
+SIGINT remembered from the command's start (`remember_sigint`), each raised as `Interrupted` in
+the main thread while the job runs (`signals_raise`), and forgotten once said, so that a later
+job in the same process starts afresh. Imports no torch: the command line checks its options
+before torch's seconds of import.
 """
 from __future__ import annotations
 
@@ -13,15 +14,23 @@ from contextlib import contextmanager
 from typing import Iterator
 
 
+# Each ends a job as SIGTERM does: the files finished are written, the command says so and exits
+# 128 + the signal. Besides ^C and `kill`: SIGHUP, a terminal closed under a job run without
+# nohup; SIGUSR1 / SIGUSR2, what Slurm's `--signal` sends to warn of a time limit; SIGXCPU, a
+# CPU-time limit (`ulimit -t`, some schedulers). Their default action killed the process at
+# once, dropping the files transcribed but not yet handed to the writer.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
+
+
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived; everything finished before it is written."""
+    """A signal of STOP_SIGNALS arrived; everything finished before it is written."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
-# The SIGINT / SIGTERM received, besides the exception its handler raises: a raise that lands in
+# The stop signals received, besides the exception its handler raises: a raise that lands in
 # a __del__ or a weakref callback is printed as "Exception ignored" and swallowed (a ^C during
 # the model's load was lost so once in ~80 tries, and that run went on to the end and exited
 # 0). The job checks this on entry and between batches, so a lost ^C still stops it.
@@ -49,7 +58,7 @@ def _sigint_before_the_job(signum, frame) -> None:
 
 
 def stop_if_signalled() -> None:
-    """Raise Interrupted if a SIGINT / SIGTERM came (since `remember_sigint`), said or not."""
+    """Raise Interrupted if a stop signal came (since `remember_sigint`), said or not."""
     if _received:
         raise Interrupted(_received[-1])
 
@@ -81,7 +90,7 @@ def forget_signals() -> None:
 
 @contextmanager
 def signals_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the job runs."""
+    """The STOP_SIGNALS raise `Interrupted` in the main thread while the job runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -90,7 +99,7 @@ def signals_raise() -> Iterator[None]:
         _received.append(signum)
         raise Interrupted(signum)
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if not _ignored(s)}
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS if not _ignored(s)}
     try:
         stop_if_signalled()  # one whose raise was lost before the job began
         yield

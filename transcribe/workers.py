@@ -27,7 +27,7 @@ from multiprocessing import get_context, resource_tracker
 from multiprocessing.connection import wait
 from multiprocessing.reduction import recv_handle
 
-from transcribe.preprocess import Piece, worker_boot, write_named_lines
+from transcribe.preprocess import WORKERS_IGNORE, Piece, worker_boot, write_named_lines
 from transcribe.shm import Slab
 
 __all__ = ["FileTimeout", "Piece", "Prespawned", "WorkerPool", "WorkerStartError", "default_workers"]
@@ -104,16 +104,21 @@ class Prespawned:
 def _spawn(ctx) -> tuple[object, object]:
     parent, child = ctx.Pipe(duplex=True)
     p = ctx.Process(target=worker_boot, args=(child,), daemon=True, name="transcribe-preprocess")
-    # SIGINT blocked while it starts: the child inherits the mask, so a ^C to the process group
-    # in its first seconds (before worker_boot ignores SIGINT) waits, and is then ignored,
-    # rather than printing a KeyboardInterrupt traceback from its imports. Ours arrives after.
-    # The resource tracker is started first: starting it unblocks SIGINT (its own mask dance).
+    # The signals a worker ignores blocked while it starts: the child inherits the mask, so a
+    # ^C (or a SIGHUP) to the process group in its first seconds (before worker_boot ignores
+    # them) waits, and is then ignored, rather than printing a KeyboardInterrupt traceback from
+    # its imports or killing it. Ours arrives after. The resource tracker is started first:
+    # starting it unblocks SIGINT (its own mask dance).
     resource_tracker.ensure_running()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKERS_IGNORE)
     saved = {k: os.environ.get(k) for k in ONE_THREAD}
     os.environ.update(ONE_THREAD)
     try:
         p.start()
+    except OSError as e:  # no process to be had (a cluster's limit), the working folder removed
+        parent.close()
+        child.close()
+        raise WorkerStartError(f"cannot start a preprocessing worker: {e.strerror or e}") from e
     finally:
         for k, v in saved.items():  # ours as it was: the model keeps its threads
             if v is None:
@@ -355,13 +360,19 @@ class WorkerPool:
                 size = os.fstat(w.stderr).st_size
                 write_named_lines(2, w.path, os.pread(w.stderr, size, 0) if size else b"")
             os.close(w.stderr)
+            w.stderr = None
         if w.fid is not None:
             self.events.put(("error", w.fid, f"{w.path}: {why}", w.seconds))
         self._free.extend(w.granted)
         if w in self._waiting:
             self._waiting.remove(w)
         w.conn.close()
-        self._workers[self._workers.index(w)] = self._start()
+        # Out of the list before its replacement spawns: a spawn that fails (no more processes
+        # under a cluster's limit) leaves no dead worker for `close` to close again, whose
+        # "Bad file descriptor" hid the real error.
+        i = self._workers.index(w)
+        del self._workers[i]
+        self._workers.insert(i, self._start())
 
 
 def _exit_reason(code: int | None) -> str:
