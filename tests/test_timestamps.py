@@ -1,13 +1,16 @@
 """Word / segment timestamps from decoded tokens vs NeMo's `timestamps['word']`, exactly."""
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import NEMO_REF, Reference, needs_shared
 from engines.checkpoint import NemoArchive
+from engines.ctc import greedy_ctc
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerDecoder
 from transcribe.results import Segment, Word
@@ -153,3 +156,31 @@ def test_no_word_or_segment_ends_before_it_starts_in_the_json():
         doc = json.loads(write_json(stitch(pieces, offsets, duration=offsets[-1] + rng.uniform(0, 3))))
         for item in doc["words"] + doc["segments"]:
             assert item["end"] >= item["start"], (trial, kind, item)
+
+
+CTC_REF = Path(__file__).parent / "data" / "ctc_timestamps"
+
+
+def test_ctc_words_and_segments_equal_nemo_on_a_punctuated_vocabulary():
+    """NeMo's CTC decoding, on 400 greedy label paths over a small SentencePiece vocabulary with
+    punctuation in five scripts (bench/make_ctc_timestamp_references.py): the same text, words
+    and segments, times to the bit. A token whose text begins with a mark ("...", "»,") ends
+    where it starts, keeping its own start (NeMo's CTC rule); the TDT rule, taken for CTC too,
+    moved `the?!` and `«Привет»,` ends by frames (over half of these cases differed)."""
+    ref = json.loads((CTC_REF / "reference.json").read_text(encoding="utf-8"))
+    tokenizer = Tokenizer.from_bytes((CTC_REF / "tokenizer.model").read_bytes())
+    timing = FrameTiming(ref["window_stride"], ref["subsampling_factor"])
+    assert sorted(tokenizer.supported_punctuation) == ref["punctuation"]
+    blank = ref["blank"]
+    wrong = []
+    for i, case in enumerate(ref["cases"]):
+        labels = torch.tensor(case["labels"])
+        log_probs = torch.full((1, len(labels), blank + 1), -10.0)
+        log_probs[0, torch.arange(len(labels)), labels] = 0.0
+        (hyp,) = greedy_ctc(log_probs, torch.tensor([len(labels)]), blank)
+        r = build_result(tokenizer, hyp.tokens, hyp.frames, hyp.durations, "ctc", timing)
+        got = {"text": r.text, "words": [[w.word, w.start, w.end] for w in r.words],
+               "segments": [[s.text, s.start, s.end] for s in r.segments]}
+        if got != {k: case[k] for k in got}:
+            wrong.append((i, got, case))
+    assert not wrong, f"{len(wrong)} of {len(ref['cases'])} differ; first: {wrong[0]}"

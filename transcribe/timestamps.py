@@ -9,7 +9,9 @@ Token spans (in encoder frames):
 - TDT: [frame, frame + predicted duration); a token whose text is a supported punctuation mark
   is moved to a zero-length span at the previous token's end (NeMo's `_refine_timestamps_tdt`);
 - RNN-T: [frame, frame + 1) (NeMo derives them from per-frame alignments: one frame each);
-- CTC: [first frame, first frame + run length) (NeMo's CTC offsets; punctuation not refined).
+- CTC: [the previous token's first frame, its own first frame] (the first token starting one
+  frame early: NeMo's CTC offsets); a token whose text begins with a punctuation mark is cut to
+  no length at its start (NeMo's CTC `_refine_timestamps`).
 
 Words: a token starts a new word when its piece differs from its text (a '▁' piece, or a
 control piece such as <unk>, which renders ' ⁇ ' and so always stands alone), unless it is
@@ -72,10 +74,17 @@ def token_spans(tokenizer: Tokenizer, tokens: Sequence[int], frames: Sequence[in
         end = frame + 1 if kind == "rnnt" else frame + durations[i]
         spans.append(_Span(text, piece, int(frame), int(end)))
     punctuation = tokenizer.supported_punctuation
-    if kind in ("tdt", "ctc") and punctuation:  # NeMo refines TDT and CTC offsets, not RNN-T's
+    if kind == "tdt" and punctuation:  # NeMo refines TDT and CTC offsets, not RNN-T's
         for i in range(1, len(spans)):
             if spans[i].text in punctuation:  # often emitted late, after a pause: pin to the word
                 spans[i].start = spans[i].end = spans[i - 1].end
+    elif kind == "ctc" and punctuation:
+        # NeMo's CTC rule (`CTCDecoding._refine_timestamps`) is its own: a token whose text
+        # *begins* with a mark ("...", "»,") ends where it starts, keeping its own start. Taking
+        # TDT's rule moved `the?!` and `«Привет»,` ends by 0.24-0.40 s.
+        for i in range(1, len(spans)):
+            if spans[i].text and spans[i].text[0] in punctuation:
+                spans[i].end = spans[i].start
     return spans
 
 
