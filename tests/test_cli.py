@@ -179,6 +179,32 @@ def test_a_model_path_is_recorded_absolute_so_the_same_name_elsewhere_is_another
 
 
 @needs_shared
+def test_a_lone_offset_0_line_is_the_whole_file_read_to_its_duration(tmp_path):
+    """`{"offset": 0, "duration": D}` alone: named and resumed as the whole file (tools write
+    it so for whole files), and read to D at most, as NeMo (lhotse) reads any line with an
+    offset. It was transcribed whole: bench scored a 72 s file's words against a 15 s text.
+    The first utterance of the long-form join, cut so, is NeMo's transcript of it."""
+    ref = Reference("tdt_tiny")
+    joined = SPEECH / "longform" / "librispeech_test-other_1688-142285_concat.flac"
+    first = ref.files[0]
+    row = {"audio_filepath": str(joined), "offset": 0, "duration": first["samples"] / 16000,
+           "text": first["transcribe_text"]}
+    manifest = tmp_path / "first.jsonl"
+    manifest.write_text(json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    p = run_cli(str(manifest), "--model", str(ref.nemo), "--out", str(out), "--format", "json")
+    assert p.returncode == 0, p.stderr
+    (log,) = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    assert "offset" not in log and log["duration"] == round(row["duration"], 3)
+    doc = json.loads((out / f"{joined.stem}.json").read_text())
+    assert doc["text"] == first["transcribe_text"]
+    report = tmp_path / "r.json"
+    assert run_cli("bench", str(manifest), "--model", str(ref.nemo), "--json", str(report)).returncode == 0
+    assert json.loads(report.read_text())["wer"] == 0.0
+    assert json.loads(report.read_text())["audio_seconds"] == pytest.approx(row["duration"], abs=1e-3)
+
+
+@needs_shared
 def test_manifest_segments_are_transcribed_each_as_the_file_it_was_cut_from(tmp_path):
     """The long-form join holds test-other 1688-142285-0000.. back to back with 0.5 s gaps,
     sample for sample: a manifest cutting it with offset + duration transcribes each segment

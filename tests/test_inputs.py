@@ -269,7 +269,8 @@ def test_shards_partition_the_inputs(tmp_path):
 def test_segments_of_a_file_are_inputs_of_their_own(tmp_path):
     """NeMo manifests cut long recordings with `offset` + `duration`: each line is its own
     input (named for its times, told apart by `key`), the `offset: 0` segment of a cut file
-    too; a lone `offset: 0` line is the whole file as before; a bad offset fails its line."""
+    too; a lone `offset: 0` line is the whole file as before, read to its `duration` at most
+    (NeMo reads it so); a bad offset fails its line."""
     _touch(tmp_path / "long.flac")
     _touch(tmp_path / "whole.flac")
     m = tmp_path / "m.jsonl"
@@ -284,7 +285,7 @@ def test_segments_of_a_file_are_inputs_of_their_own(tmp_path):
     one, two, _, rest, whole, bad = read_manifest(m)
     assert (one.offset, one.duration, one.reference, one.span) == (0.0, 15.0, "ONE", (0.0, 15.0))
     assert (two.offset, two.duration, two.reference) == (15.5, 12.625, "TWO")
-    assert rest.span == (40.0, None) and whole.offset is None and whole.span is None
+    assert rest.span == (40.0, None) and whole.offset is None and whole.span == (0.0, 3.0)
     assert bad.problem.startswith(f"{m}:6: offset 'soon' is not a number")
     files = discover([str(m)])
     assert [f.key for f in files] == [Path(f"{tmp_path}/long.flac@0.0"), Path(f"{tmp_path}/long.flac@15.5"),

@@ -40,6 +40,8 @@ class InputFile:
     has named all the inputs (`output_stems`).
     offset: a segment of the file, from `offset` s for `duration` s (to its end when None):
     NeMo manifests cut long recordings so. None: the whole file.
+    cap: a lone `offset: 0` line's `duration`: the whole file, named and resumed as one, read
+    to that length at most, as NeMo (lhotse) reads a line with an offset.
     line: `MANIFEST:LINE` of an input a manifest names, to fail it under when its line is at odds
     with another input's.
     """
@@ -52,6 +54,7 @@ class InputFile:
     stem: Path | None = None
     offset: float | None = None
     line: Path | None = None
+    cap: float | None = None
 
     @property
     def key(self) -> Path:
@@ -61,8 +64,11 @@ class InputFile:
 
     @property
     def span(self) -> tuple[float, float | None] | None:
-        """(start s, length s or None) of a segment, for the decoder; None: the whole file."""
-        return None if self.offset is None else (self.offset, self.duration)
+        """(start s, length s or None) of a segment or a capped file, for the decoder; None:
+        the whole file."""
+        if self.offset is None:
+            return None if self.cap is None else (0.0, self.cap)
+        return self.offset, self.duration
 
 
 def record_key(record: dict) -> Path:
@@ -229,9 +235,11 @@ def read_manifest(path: Path) -> list[InputFile]:
             out.append(_manifest_entry(raw, manifest, lineno))
             linenos.append(lineno)
     # `offset: 0` alone (some tools write it for whole files) means the whole file, named as
-    # one; a file with a segment further in, or several lines, is read segment by segment.
+    # one; a file with a segment further in, or several lines, is read segment by segment. Its
+    # `duration` still caps what is read, as NeMo reads it: a 15 s line of a 72 s file was
+    # transcribed whole, and bench scored 72 s of words against 15 s of text (WER 436 %).
     lines = Counter(f.path for f in out if f.offset is not None)
-    out = [replace(f, offset=None) if f.offset == 0.0 and lines[f.path] == 1 else f for f in out]
+    out = [replace(f, offset=None, cap=f.duration) if f.offset == 0.0 and lines[f.path] == 1 else f for f in out]
     # A broken line naming the same input as another line would be dropped as its duplicate
     # (silently), or, coming first, drop the good one: it fails under its own line instead.
     keys = Counter(f.key for f in out)
