@@ -5,7 +5,8 @@ WER normalisation, applied to hypothesis and reference alike: OpenAI Whisper's
 of it), so that our WERs compare with published ones. It lower-cases; drops bracketed text,
 the fillers uh/um/hmm/mm and punctuation; expands contractions and titles ("it's" -> "it is",
 "Mr." -> "mister"); writes spelled numbers and currencies as digits ("ten dollars" -> "$10");
-and maps British to American spelling ("colour" -> "color"). The earlier home-made rules (lower
+and maps British to American spelling ("colour" -> "color"). Before it, typographic apostrophes
+are read as ASCII ones (`_APOSTROPHES`). The earlier home-made rules (lower
 case and punctuation removal only) counted "Mr."/"mister" and "10"/"ten" as errors: WERs quoted
 from before this change were measured with them.
 """
@@ -35,9 +36,16 @@ def _english_normalizer():
     return norm
 
 
+# Apostrophes OpenAI's rules do not know, read as "'" first: they match contractions ("n't",
+# "'s") by the ASCII one only, so a reference's typographic "Don’t" against a model's "don't"
+# scored 2 errors (a perfect transcript of the sonnets 2.57 % WER, of manifest_eval_short 0.32 %).
+_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'"})
+
+
 def normalize_text(text: str) -> str:
-    """OpenAI's English normalisation (see the module docstring), edge spaces stripped."""
-    return " ".join(_english_normalizer()(text).split())
+    """OpenAI's English normalisation (see the module docstring), after the typographic
+    apostrophes are read as ASCII ones; edge spaces stripped."""
+    return " ".join(_english_normalizer()(text.translate(_APOSTROPHES)).split())
 
 
 def edit_distance(a: list, b: list) -> int:
