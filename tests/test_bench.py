@@ -76,7 +76,7 @@ def _report(texts: dict, references: dict, failed: int):
     from transcribe.bench import build_report
 
     stats = SimpleNamespace(texts=texts, stage_seconds={}, audio_seconds=10.0, files_ok=len(texts),
-                            files_failed=failed, wall_seconds=1.0, rtfx=10.0, padding_fraction=0.0)
+                            files_failed=failed, wall_seconds=1.0, rtfx=10.0, padding_fraction=0.0, workers_peak_bytes=0)
     files = [SimpleNamespace(key=k, reference=r) for k, r in references.items()]
     return build_report(stats, files, "m", "cpu", 0.5, 2.0)
 

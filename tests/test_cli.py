@@ -196,6 +196,7 @@ def test_a_lone_offset_0_line_is_the_whole_file_read_to_its_duration(tmp_path):
     assert p.returncode == 0, p.stderr
     (log,) = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
     assert "offset" not in log and log["duration"] == round(row["duration"], 3)
+    assert log["runtime"] and f"({log['runtime']})" in p.stderr  # how it ran, as the startup line says
     doc = json.loads((out / f"{joined.stem}.json").read_text())
     assert doc["text"] == first["transcribe_text"]
     report = tmp_path / "r.json"
@@ -548,6 +549,8 @@ def test_bench_report_has_the_contract_fields(tmp_path):
         assert key in r
     assert r["files"] == 3 and r["wer"] == 0.0  # references are the model's own transcripts
     assert r["rtfx"] > 0 and r["stages"]["encoder"] > 0 and "RTFx" in p.stdout
+    # the worker counts too (each is a process importing torch: 0.27 GB, which went unreported)
+    assert r["peak_memory_bytes"] - r["peak_memory_main_bytes"] > 100e6, r
     # the job's thread: waiting for its workers with nothing to run (at least the first piece:
     # workers start and decode before it) and storing results; each within the run's wall time
     assert 0 < r["stages"]["wait_for_pieces"] < r["wall_seconds"] and 0 < r["stages"]["settle"] < r["wall_seconds"]

@@ -38,7 +38,7 @@ class OutputWriter:
 
     def __init__(self, out_dir: Path, formats: list[str], stems: dict[Path, Path], log: ResultsLog, model: str,
                  settings: dict[str, str], stats, bar, identities: dict[Path, dict],
-                 kept: dict[Path, list[str]] | None = None):
+                 kept: dict[Path, list[str]] | None = None, runtime: str = ""):
         self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
         # Each input path's size and mtime from before any worker read it (pipeline.run): taken
         # at the write, a file still growing while the run read it matched for good.
@@ -46,6 +46,9 @@ class OutputWriter:
         self.kept = kept or {}  # key -> earlier outputs its line goes on listing (resume.ResumePlan)
         # What a rerun compares besides the model (engine_api.Engine.settings); none: no key.
         self.made_by = {"model": model, **({"settings": settings} if settings else {})}
+        # How it ran (backend, dtypes, decoder mode: the startup line's), not compared by a
+        # rerun: shards run on unlike machines (bf16 here, float32 there) say so line by line.
+        self.made_by.update({"runtime": runtime} if runtime else {})
         self.stats, self.bar = stats, bar  # both touched by the writing thread alone until close
         # Since the last flush: (file, Result, seconds) transcribed, or (file, error) failed.
         # (file, result, seconds) to write, or (file, error, seconds or None) to log as failed

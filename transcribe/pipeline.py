@@ -59,6 +59,7 @@ class RunStats:
     stage_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     texts: dict[Path, str] = field(default_factory=dict)
     padding: PaddingStats = field(default_factory=PaddingStats)
+    workers_peak_bytes: int = 0  # the preprocessing workers' peak resident memory, summed
 
     @property
     def rtfx(self) -> float:
@@ -161,7 +162,7 @@ class _Job:
                  bar: "_Progress"):
         self.engine, self.stats = engine, stats
         self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
-                                    identities, kept)
+                                    identities, kept, getattr(engine, "runtime", ""))
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
         # A model that detects the language: a file's later pieces wait for its language (file_language).
         self.languages = FileLanguages() if engine.detects_language else None
@@ -222,6 +223,7 @@ class _Job:
                 gc.unfreeze()
         for k, v in pool.stage_seconds.items():
             self.stats.stage_seconds[k] += v
+        self.stats.workers_peak_bytes += pool.peak_rss_bytes
         return done_at
 
     def _on_event(self, event: tuple, batcher: Batcher[Piece], pool: WorkerPool, slab: Slab) -> None:

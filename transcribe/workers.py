@@ -163,6 +163,8 @@ class WorkerPool:
         self.timeout = timeout
         self.events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.stage_seconds: dict[str, float] = defaultdict(float)
+        # The workers' peak resident memory, summed as each one ends (the bench report's).
+        self.peak_rss_bytes = 0
         self._free: deque[int] = deque(range(slab.spec.n_slots))
         self._released: deque[int] = deque()  # from the pipeline's thread
         self._queue: deque[tuple[int, str, tuple | None]] = deque()  # (fid, path, span)
@@ -210,6 +212,7 @@ class WorkerPool:
         self._stop.set()
         self._wake()
         self._thread.join()
+        self.peak_rss_bytes += sum(_peak_rss_bytes(w.process.pid) for w in self._workers)
         for w in self._workers:
             try:
                 w.conn.send(("stop",))
@@ -350,6 +353,7 @@ class WorkerPool:
 
     def _replace(self, w: _Worker, why: str) -> None:
         """A dead or killed worker: fail its file, take back its slots, start another."""
+        self.peak_rss_bytes += _peak_rss_bytes(w.process.pid)  # 0 once it has died: the kernel forgot
         w.process.join()
         if not w.ready:
             self._start_failures += 1
@@ -373,6 +377,18 @@ class WorkerPool:
         i = self._workers.index(w)
         del self._workers[i]
         self._workers.insert(i, self._start())
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    """A live process's peak resident memory (Linux's VmHWM), 0 where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _exit_reason(code: int | None) -> str:
