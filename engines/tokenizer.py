@@ -44,7 +44,7 @@ class Tokenizer:
         if not isinstance(cfg, dict):
             raise ValueError(f"config key 'tokenizer' must be a mapping, got {cfg!r}")
         kind = cfg.get("type", "bpe")
-        if kind != "bpe":
+        if str(kind).lower() != "bpe":  # NeMo lower-cases it: "BPE" is a SentencePiece model too
             raise ValueError(f"config key 'tokenizer.type' = {kind!r} is not supported (only 'bpe')")
         model_path = cfg.get("model_path")
         if not isinstance(model_path, str) or not model_path:

@@ -78,3 +78,9 @@ class _Archive:
 def test_from_archive_rejects_unsupported(config, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         Tokenizer.from_archive(_Archive(config))
+
+
+def test_the_tokenizer_type_is_read_as_nemo_reads_it_in_any_case():
+    """NeMo lower-cases `tokenizer.type`: a checkpoint saying "BPE" was refused here."""
+    with pytest.raises(AssertionError, match="nemo:x.model"):  # past the type, on to the member
+        Tokenizer.from_archive(_Archive({"tokenizer": {"type": "BPE", "model_path": "nemo:x.model"}}))

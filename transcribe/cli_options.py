@@ -29,8 +29,9 @@ DECODER_MODE = typer.Option("auto", "--decoder-mode", help="Decoder loop (Parake
                             "graph with conditional while nodes), unrolled, eager.")
 DTYPE = typer.Option("auto", "--dtype", help="Encoder compute dtype (Parakeet and Whisper): auto (= float32; Whisper: "
                      "float16 on CUDA; on the CPU bfloat16 where its GEMMs time faster than float32's at startup), float32, "
-                     "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; up to ~1.9x faster encoders, slower on some "
-                     "CPUs; Whisper's CPU decoder staying float32), float16 (CUDA).")
+                     "bfloat16 (CPUs with AVX512_BF16/AMX, CUDA sm80+; encoders ~1.9x faster on AMD Zen 5, 3.5-4.5x "
+                     "with Intel AMX, slower on AVX512_BF16 without AMX; Whisper's CPU decoder staying float32), "
+                     "float16 (CUDA).")
 LANGUAGE = typer.Option(None, "--language", "-l", help="Whisper: the spoken language, a code or a name (default en; de "
                         "or german, fr, ... as the model's vocabulary has them), or auto to detect it once per file, "
                         "from its first piece with speech. Parakeet models take none.")
