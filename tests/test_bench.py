@@ -148,3 +148,14 @@ def test_compare_whisper_finds_our_texts_through_a_linked_folder_and_counts_fail
     (out / "results.jsonl").write_text("")
     with pytest.raises(SystemExit, match="1 manifest files have no line in our results.jsonl"):
         cw.ours_result(report, out, manifest)
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="Linux names the CPU in /proc/cpuinfo")
+def test_the_report_names_the_cpu_model():
+    """A CPU report said `cpu (x86_64, 2 threads)` on an AMD EPYC and an Intel Xeon alike, whose
+    figures differ 2-3x (bf16 with AMX or not): it names the model, as /proc/cpuinfo does."""
+    from transcribe.bench import device_name
+
+    model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name"))
+    assert device_name("cpu").startswith(f"cpu ({model}, ")

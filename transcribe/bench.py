@@ -89,7 +89,21 @@ def device_name(device: str) -> str:
         import torch
 
         return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
-    return f"cpu ({platform.processor() or platform.machine()}, {_threads()} threads)"
+    return f"cpu ({cpu_model()}, {_threads()} threads)"
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 9B45", "Intel(R) Xeon(R) Processor"): the figures of two
+    reports compare only on alike CPUs. Linux says it in /proc/cpuinfo; `platform.processor()`
+    there says only "x86_64"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _threads() -> int:
