@@ -138,8 +138,8 @@ def build_report(stats, files, model: str, device: str, load_seconds: float, tot
         "stages": stages,
         "device": device_name(device),
         "model": model,
-        # The run's processes together: the main one's peak plus each worker's. Pages they share
-        # (libraries, the feature slab) count in each, so it bounds what the run held at once.
+        # The run's processes together: the main one's peak plus each worker's still running at
+        # the end. Pages they share (libraries, the feature slab) count in each.
         "peak_memory_bytes": peak_rss_bytes() + stats.workers_peak_bytes,
         "peak_memory_main_bytes": peak_rss_bytes(),
         "peak_gpu_memory_bytes": peak_gpu_bytes(device),

@@ -17,7 +17,7 @@ from typing import Iterator
 # Each ends a job as SIGTERM does: the files finished are written, the command says so and exits
 # 128 + the signal. Besides ^C and `kill`: SIGHUP, a terminal closed under a job run without
 # nohup; SIGUSR1 / SIGUSR2, what Slurm's `--signal` sends to warn of a time limit; SIGXCPU, a
-# CPU-time limit (`ulimit -t`, some schedulers). Their default action killed the process at
+# soft CPU-time limit set below the hard one (RLIMIT_CPU, as some schedulers set it). Their default action killed the process at
 # once, dropping the files transcribed but not yet handed to the writer.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
 
@@ -65,7 +65,7 @@ def stop_if_signalled() -> None:
 
 def exit_at_once_on_sigint() -> None:
     """The command is ending on a signal with its work written: a further ^C (an impatient
-    second press) exits at once with 130. Python's handler, back once the job was left, raised
+    second press) ends it at once, by SIGINT (a shell reads 130). Python's handler, back once the job was left, raised
     KeyboardInterrupt into whatever ran then: an atexit callback printed "Exception ignored"
     and a traceback, and the process died by the signal. For the command line's own process
     only, which is leaving."""
@@ -79,6 +79,10 @@ def _exit_now(signum, frame) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more to say
             pass
+    # By the signal itself, as the console script ends after a first ^C (transcribe/__main__.py):
+    # an exit status of 130 let a shell loop go on to its next folder.
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
     os._exit(128 + signum)
 
 

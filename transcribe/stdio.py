@@ -75,6 +75,10 @@ def _to_devnull(fd: int, flags: int = os.O_WRONLY) -> None:
     if null != fd:
         os.dup2(null, fd)
         os.close(null)
+    # Inherited by the workers, as a standard stream is: `os.open` makes its descriptor private,
+    # and where it took the closed number itself (`2>&-`) each worker started without a stderr
+    # and died at its first flush, three deaths ending the run.
+    os.set_inheritable(fd, True)
 
 
 def steady_std_streams(stdout: bool = True) -> None:

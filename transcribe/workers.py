@@ -102,14 +102,17 @@ class Prespawned:
 
 
 def _spawn(ctx) -> tuple[object, object]:
-    parent, child = ctx.Pipe(duplex=True)
+    try:  # the tracker's fork and the pipe fail first under a process or descriptor limit
+        resource_tracker.ensure_running()
+        parent, child = ctx.Pipe(duplex=True)
+    except OSError as e:
+        raise WorkerStartError(f"cannot start a preprocessing worker: {e.strerror or e}") from e
     p = ctx.Process(target=worker_boot, args=(child,), daemon=True, name="transcribe-preprocess")
     # The signals a worker ignores blocked while it starts: the child inherits the mask, so a
     # ^C (or a SIGHUP) to the process group in its first seconds (before worker_boot ignores
     # them) waits, and is then ignored, rather than printing a KeyboardInterrupt traceback from
-    # its imports or killing it. Ours arrives after. The resource tracker is started first:
-    # starting it unblocks SIGINT (its own mask dance).
-    resource_tracker.ensure_running()
+    # its imports or killing it. Ours arrives after. The resource tracker is started first
+    # (above): starting it unblocks SIGINT (its own mask dance).
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKERS_IGNORE)
     saved = {k: os.environ.get(k) for k in ONE_THREAD}
     os.environ.update(ONE_THREAD)
