@@ -401,3 +401,14 @@ def test_a_utf16_manifest_and_a_json_array_are_read(tmp_path):
     assert [(f.path.name, f.reference, f.problem) for f in got] == [("a.wav", "one", None), ("b.wav", "twö", None)]
     path.write_text(json.dumps([rows[0], "nonsense"], indent=2))  # its entries fail alone, by number
     assert [f.problem for f in read_manifest(path)] == [None, f"{path}:2: not a JSON object"]
+
+
+def test_a_lone_offset_0_lines_cap_holds_when_a_folder_names_the_file_first(tmp_path):
+    """`bench dir/ m.jsonl`: the folder's mention came first and was kept, taking the line's
+    15 s text but not its 15 s cap: the whole 72 s file was scored against it again."""
+    _touch(tmp_path / "d" / "long.flac")
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"audio_filepath": "d/long.flac", "offset": 0, "duration": 15.0, "text": "ONE"}) + "\n")
+    for order in ([str(tmp_path / "d"), str(m)], [str(m), str(tmp_path / "d")]):
+        (f,) = discover(order)
+        assert (f.reference, f.cap, f.span) == ("ONE", 15.0, (0.0, 15.0)), order

@@ -277,3 +277,20 @@ def test_an_output_a_dropped_line_owned_is_no_other_files_again(tmp_path):
     assert len(plan.todo) == 1 and str(a) not in log.read_text()  # a's line went; the run stops here
     plan = plan_resume([InputFile(b, Path("a.flac"))], log, False, ident, model="m", outputs=txt)
     assert [f.path for f in plan.todo] == [b]
+
+
+def test_a_file_read_past_its_lone_offset_0_lines_duration_is_done_again(tmp_path):
+    """A lone `offset: 0` line is read to its `duration` (`InputFile.cap`); a line that
+    transcribed more of the file (read whole before caps were read, or under a longer cap) kept
+    that transcript as done, the wrong one the cap exists to fix."""
+    audio, out, ident, line = _inputs(tmp_path, ("whole", "capped", "short"))
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        line("whole", duration=71.665, outputs=["whole.txt"]),
+        line("capped", duration=15.0, outputs=["capped.txt"]),
+        line("short", duration=9.5, outputs=["short.txt"]))))  # a file shorter than its cap
+    files = [InputFile(audio["whole"], Path("whole.flac"), cap=15.0),
+             InputFile(audio["capped"], Path("capped.flac"), cap=15.0),
+             InputFile(audio["short"], Path("short.flac"), cap=15.0)]
+    outputs = lambda f: [Path(f.path.stem + ".txt")]
+    todo, done, *_ = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=outputs)
+    assert [f.path.stem for f in todo] == ["whole"] and done == 2

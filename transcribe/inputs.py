@@ -136,10 +136,14 @@ def _one_reference_each(found: list[InputFile]) -> list[InputFile]:
     against must not go with the one dropped: a file named by a folder (or a bare argument)
     before a manifest line gives it a `text` takes that text, and a manifest line giving an
     input a second, different text fails under its own line instead of being dropped unseen
-    (the first text is scored; the failed line's is not, as no line that fails to be read is)."""
+    (the first text is scored; the failed line's is not, as no line that fails to be read is).
+    A lone `offset: 0` line's `cap` goes with its text: named by a folder first, the file was
+    read whole again and scored against the line's 15 s of text."""
     out, first = list(found), {}
     for i, f in enumerate(found):
         j = first.setdefault(f.key, i)
+        if j != i and f.cap is not None and out[j].cap is None:
+            out[j] = replace(out[j], cap=f.cap)  # a folder's mention says nothing of how much to read
         if j == i or f.reference is None or f.reference == out[j].reference:
             continue  # the first of its kind, or a plain repeat
         if out[j].reference is None:

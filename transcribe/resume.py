@@ -231,7 +231,7 @@ def _done(records: dict[Path, dict], by_key: dict, out_dir: Path, identities: di
     for key, r in records.items():
         if r.get("status") == "ok" and key in by_key and identities[by_key[key].path] == {
             "size": r.get("size"), "mtime": r.get("mtime")
-        } and _same_run(r, model, settings):
+        } and _same_run(r, model, settings) and not _past_cap(r, by_key[key]):
             f = by_key[key]
             wanted = outputs(f)
             if _vouched(r, wanted, out_dir) and all(owner.get(p.as_posix(), key) == key for p in wanted):
@@ -241,6 +241,13 @@ def _done(records: dict[Path, dict], by_key: dict, out_dir: Path, identities: di
             kept[key] = [p for p in listed_outputs(r) if p not in ours and p in named
                          and owner.get(p) == key and (out_dir / p).exists()]
     return done, kept
+
+
+def _past_cap(record: dict, f: InputFile) -> bool:
+    """The line transcribed more of the file than its lone `offset: 0` line now asks
+    (`InputFile.cap`): read whole by a run before caps were read, or under a longer one."""
+    duration = record.get("duration")
+    return f.cap is not None and isinstance(duration, (int, float)) and duration > f.cap + 1e-3
 
 
 def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: str, settings: dict[str, str]) -> bool:
