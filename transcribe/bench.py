@@ -128,6 +128,7 @@ def build_report(stats, files, model: str, device: str, load_seconds: float, tot
     refs = [(f.reference, stats.texts.get(f.key, "")) for f in files if f.reference is not None]
     stages = {k: round(v, 4) for k, v in sorted(stats.stage_seconds.items())}
     stages["load_model"] = round(load_seconds, 4)
+    main_peak = peak_rss_bytes()
     return {
         "audio_seconds": round(stats.audio_seconds, 3),
         "wall_seconds": round(total_seconds, 3),
@@ -140,8 +141,8 @@ def build_report(stats, files, model: str, device: str, load_seconds: float, tot
         "model": model,
         # The run's processes together: the main one's peak plus each worker's still running at
         # the end. Pages they share (libraries, the feature slab) count in each.
-        "peak_memory_bytes": peak_rss_bytes() + stats.workers_peak_bytes,
-        "peak_memory_main_bytes": peak_rss_bytes(),
+        "peak_memory_bytes": main_peak + stats.workers_peak_bytes,
+        "peak_memory_main_bytes": main_peak,
         "peak_gpu_memory_bytes": peak_gpu_bytes(device),
         "transcribe_seconds": round(stats.wall_seconds, 3),
         "rtfx_steady": round(stats.rtfx, 3),

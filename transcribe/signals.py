@@ -17,8 +17,9 @@ from typing import Iterator
 # Each ends a job as SIGTERM does: the files finished are written, the command says so and exits
 # 128 + the signal. Besides ^C and `kill`: SIGHUP, a terminal closed under a job run without
 # nohup; SIGUSR1 / SIGUSR2, what Slurm's `--signal` sends to warn of a time limit; SIGXCPU, a
-# soft CPU-time limit set below the hard one (RLIMIT_CPU, as some schedulers set it). Their default action killed the process at
-# once, dropping the files transcribed but not yet handed to the writer.
+# soft CPU-time limit set below the hard one (RLIMIT_CPU, as some schedulers set it). Their
+# default action killed the process at once, dropping the files transcribed but not yet handed
+# to the writer.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGXCPU)
 
 
@@ -74,14 +75,22 @@ def exit_at_once_on_sigint() -> None:
 
 
 def _exit_now(signum, frame) -> None:
+    end_by_signal(signum)
+
+
+def end_by_signal(signum: int) -> None:
+    """End this process by `signum` itself, its default action, once what it printed is
+    flushed: a shell loop (`for d in */; do transcribe "$d"; done`) stops at a ^C only when
+    its child died by the signal, and an exit status of 130 let it go on to the next folder.
+    A shell still reads 128 + the signal. `os._exit` with that status should the signal not
+    end the process."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say
+        except (AttributeError, OSError, ValueError):  # None, a closed pipe or stream
             pass
-    # By the signal itself, as the console script ends after a first ^C (transcribe/__main__.py):
-    # an exit status of 130 let a shell loop go on to its next folder.
     signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
     os.kill(os.getpid(), signum)
     os._exit(128 + signum)
 

@@ -101,12 +101,18 @@ class Prespawned:
         self.close()
 
 
+def _cannot_start(e: OSError) -> WorkerStartError:
+    """A worker's spawn failed: no process or descriptor to be had (a cluster's limit), the
+    working folder removed."""
+    return WorkerStartError(f"cannot start a preprocessing worker: {e.strerror or e}")
+
+
 def _spawn(ctx) -> tuple[object, object]:
     try:  # the tracker's fork and the pipe fail first under a process or descriptor limit
         resource_tracker.ensure_running()
         parent, child = ctx.Pipe(duplex=True)
     except OSError as e:
-        raise WorkerStartError(f"cannot start a preprocessing worker: {e.strerror or e}") from e
+        raise _cannot_start(e) from e
     p = ctx.Process(target=worker_boot, args=(child,), daemon=True, name="transcribe-preprocess")
     # The signals a worker ignores blocked while it starts: the child inherits the mask, so a
     # ^C (or a SIGHUP) to the process group in its first seconds (before worker_boot ignores
@@ -118,10 +124,10 @@ def _spawn(ctx) -> tuple[object, object]:
     os.environ.update(ONE_THREAD)
     try:
         p.start()
-    except OSError as e:  # no process to be had (a cluster's limit), the working folder removed
+    except OSError as e:
         parent.close()
         child.close()
-        raise WorkerStartError(f"cannot start a preprocessing worker: {e.strerror or e}") from e
+        raise _cannot_start(e) from e
     finally:
         for k, v in saved.items():  # ours as it was: the model keeps its threads
             if v is None:
