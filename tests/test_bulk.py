@@ -940,3 +940,33 @@ def test_a_closed_stderr_is_replaced_by_one_the_workers_inherit():
     p = subprocess.run([sys.executable, "-c", _CHILD_HAS_STDERR], cwd=ROOT, capture_output=False,
                        stdout=subprocess.PIPE, text=True, timeout=60, preexec_fn=lambda: os.close(2))
     assert p.stdout.strip() == "True", p.stdout
+
+
+_CHILD_WRITES_MUCH = """
+import os, sys
+from transcribe.stdio import steady_std_streams
+steady_std_streams(stdout=False)
+if sys.argv[2] == "later":
+    os.set_blocking(2, False)
+for i in range(4000):
+    print(f"line {i:05d} " + "x" * 50, file=getattr(sys, sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("stream, when", [("stderr", "at start"), ("stdout", "at start"), ("stderr", "later")])
+def test_a_non_blocking_log_pipe_loses_no_line(stream, when):
+    """A stream handed over non-blocking (a Node.js parent's pipe, some CI log pipes): a write
+    the reader had not caught up with failed with EAGAIN, and stderr took that for a broken
+    stream and went silent for the rest of the run; `stream`'s stdout (not wrapped) raised.
+    Every line of 250 KB, four pipe buffers, must arrive though the reader starts late, and
+    also where another holder of the pipe makes it non-blocking again during the run."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    p = subprocess.Popen([sys.executable, "-c", _CHILD_WRITES_MUCH, stream, when], cwd=ROOT,
+                         **{stream: w, "stdout" if stream == "stderr" else "stderr": subprocess.DEVNULL})
+    os.close(w)
+    time.sleep(1.0)  # the child fills the pipe meanwhile
+    with open(r, "rb") as f:
+        got = f.read().decode().splitlines()
+    assert p.wait(timeout=60) == 0
+    assert got == [f"line {i:05d} " + "x" * 50 for i in range(4000)], (len(got), got[-1:])
