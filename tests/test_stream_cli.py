@@ -104,7 +104,10 @@ def test_stream_reads_files_as_the_offline_command_does(tmp_path):
     assert p.returncode == 1 and "no such file" in p.stderr and "chunked streaming" not in p.stderr, p.stderr
 
 
-def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGUSR1], ids=lambda s: s.name)
+def test_a_signal_stops_the_server_cleanly_with_128_plus_it(sig):
+    """^C, a closed terminal's SIGHUP, Slurm's SIGUSR1 (these two killed the server at once,
+    its clients' connections reset with no word)."""
     server = subprocess.Popen([sys.executable, "-m", "transcribe.cli", "serve", "--model", MODEL, "--port", "0"],
                               stderr=subprocess.PIPE, text=True)
     try:
@@ -118,9 +121,9 @@ def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
         reader = client.makefile("r")
         assert json.loads(reader.readline())["type"] == "ready"
         time.sleep(0.5)
-        server.send_signal(signal.SIGINT)
+        server.send_signal(sig)
         _, err = server.communicate(timeout=60)
-        assert server.returncode == 130 and "Traceback" not in err and "Error" not in err, err
+        assert server.returncode == 128 + sig and "Traceback" not in err and "Error" not in err, err
         rest = [json.loads(line) for line in reader.read().splitlines()]  # closed, not left hanging
         assert all(m["type"] in ("segment", "partial") for m in rest[:-1])
         assert rest[-1]["type"] == "error" and rest[-1]["code"] == "shutdown", rest  # told why
@@ -129,11 +132,12 @@ def test_a_signal_stops_the_server_cleanly_with_128_plus_it():
         server.kill()
 
 
-def test_a_stop_signal_to_the_whole_process_group_is_a_clean_stop_and_leaves_no_process():
-    """systemd's stop (and a terminal's ^C) signal every process of the group, the engine
-    process (engine_process.py) too, here while steps run back to back: the stop is the clean
-    one (143, the client told "shutdown"), not an engine failure (1), and no process of the
-    group outlives the server."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_to_the_whole_process_group_is_a_clean_stop_and_leaves_no_process(sig):
+    """systemd's stop (and a terminal's ^C or hang-up) signal every process of the group, the
+    engine process (engine_process.py) too, here while steps run back to back: the stop is the
+    clean one (128 + the signal, the client told "shutdown"), not an engine failure (1), and no
+    process of the group outlives the server."""
     import base64
     import os
 
@@ -149,9 +153,9 @@ def test_a_stop_signal_to_the_whole_process_group_is_a_clean_stop_and_leaves_no_
         reader = client.makefile("r")
         assert json.loads(reader.readline())["type"] == "ready"
         assert json.loads(reader.readline())["type"] in ("segment", "partial")  # a step has run
-        os.killpg(server.pid, signal.SIGTERM)
+        os.killpg(server.pid, sig)
         _, err = server.communicate(timeout=60)
-        assert server.returncode == 143 and "Traceback" not in err and "engine" not in err.lower(), err
+        assert server.returncode == 128 + sig and "Traceback" not in err and "engine" not in err.lower(), err
         rest = [json.loads(line) for line in reader.read().splitlines()]
         assert rest[-1]["type"] == "error" and rest[-1]["code"] == "shutdown", rest
         client.close()

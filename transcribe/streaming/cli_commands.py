@@ -139,7 +139,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8765, max_streams: in
           idle_timeout_s: float = 15.0, ws_port: int | None = None, chunk_ms: float | None = None,
           left_ms: float | None = None, right_ms: float | None = None, device: str = "cpu", dtype: str = "auto",
           max_backlog_s: float = 120.0, log_level: str = "info", encoder_backend: str = "auto") -> int:
-    """Run the streaming server until SIGINT / SIGTERM (see transcribe/streaming/protocol.py):
+    """Run the streaming server until a stop signal (see transcribe/streaming/protocol.py):
     TCP on `port`, and the same protocol over WebSocket on `ws_port` when given (None = no
     WebSocket). chunk_ms / left_ms / right_ms: chunking of an offline-trained model (None =
     defaults); encoder_backend: the chunked pool's (auto: CUDA graphs on CUDA). Returns the exit status: 128 + the signal that stopped it, or 1 when the engine

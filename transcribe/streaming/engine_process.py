@@ -21,8 +21,8 @@ Failures: a load error (bad checkpoint, an option the model does not take) is ra
 server process as the same exception, so the CLI says it as before; a step's exception is
 raised by `RemotePool.step` as `StepFailed` (its streams fail, the server goes on); an engine
 process that dies (killed, out of memory) raises `EngineDied`, and the server stops (exit 1),
-as when its engine loop fails. The engine process ignores SIGINT and SIGTERM (a terminal's ^C
-or a stop signal to the whole process group is the server's to handle) and exits when the
+as when its engine loop fails. The engine process ignores the stop signals (a terminal's ^C or
+hang-up, or a stop signal to the whole process group, is the server's to handle) and exits when the
 server closes the pipe, or goes away without closing it.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 
 from engines.decode_stages import Hypothesis
 from engines.slot_pool import SlotPool
+from transcribe.signals import STOP_SIGNALS
 from transcribe.streaming.protocol import describe
 
 log = logging.getLogger("transcribe")
@@ -82,11 +83,12 @@ def _picklable(e: BaseException) -> BaseException:
 
 def _engine_main(conn, load_args: dict, max_streams: int, log_level: int) -> None:
     """The engine process: load, send the front (or the load error), then step until the pipe
-    closes (or a None request). SIGINT and SIGTERM are the server's: a ^C or a `kill` of the
-    whole process group (systemd's stop) reaching this process first must not fail the step in
-    flight and turn the server's clean stop (exit 130 / 143) into an engine failure (exit 1)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    closes (or a None request). The stop signals are the server's (`signals.STOP_SIGNALS`): a
+    ^C, a closed terminal's SIGHUP or a `kill` of the whole process group (systemd's stop)
+    reaching this process first must not fail the step in flight and turn the server's clean
+    stop (exit 128 + the signal) into an engine failure (exit 1)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     from transcribe import heap
     from transcribe.streaming.cli_commands import load_streaming_model, log_to_stderr
 

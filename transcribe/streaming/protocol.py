@@ -36,7 +36,7 @@ Server -> client (over WebSocket: text frames)
         (streaming/stats.py)
     {"type": "error", "code": ..., "message": ...}   codes in ERROR_CODES; the server closes
         the connection after an error (the stream is over, its slot returned). "shutdown":
-        the server is stopping (SIGINT / SIGTERM; over WebSocket the close code is 1001, going
+        the server is stopping (a stop signal: SIGINT, SIGTERM, SIGHUP ...; over WebSocket the close code is 1001, going
         away); "internal": a step failed (or the engine, and the server stops)
 A message (line or frame) is at most MAX_LINE_BYTES. Over TCP a longer line gets a
 "bad_message" error; over WebSocket a longer frame makes the server close with code 1009

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from transcribe import heap
+from transcribe.signals import STOP_SIGNALS
 from transcribe.streaming import protocol as P
 from transcribe.streaming.engine_process import EngineDied
 from transcribe.streaming.scheduler import Busy, Scheduler, SchedulerConfig, StreamingFront, StreamingModel
@@ -568,13 +569,14 @@ class StreamServer:
 
 
 async def serve_forever(model: StreamingModel | StreamingFront, cfg: ServerConfig, pool=None) -> int:
-    """Serve until SIGINT or SIGTERM, or until the engine dies of a bug; returns the exit
+    """Serve until a stop signal (SIGINT, SIGTERM, and the others of `signals.STOP_SIGNALS`: a
+    terminal's SIGHUP, Slurm's SIGUSR1), or until the engine dies of a bug; returns the exit
     status (128 + the signal, or 1) once every connection is closed (their streams' slots
     freed) and every handler has finished, so a stop prints no cancellation tracebacks."""
     server = StreamServer(model, cfg, pool)
     host, port = await server.start()
     loop, stop, got = asyncio.get_running_loop(), asyncio.Event(), []
-    for sig in (signal.SIGINT, signal.SIGTERM):  # before "listening": a signal on that line stops cleanly
+    for sig in STOP_SIGNALS:  # before "listening": a signal on that line stops cleanly
         if signal.getsignal(sig) is signal.SIG_IGN:
             continue  # ignored from the start (`nohup`, `&` in a script): kept so, as programs do
         loop.add_signal_handler(sig, lambda sig=sig: (got.append(sig), stop.set()))
