@@ -31,7 +31,7 @@ from transcribe.audio_frontend import AudioFrontend, resolve_features_on
 from transcribe.engine_api import checked_pieces
 from transcribe.features import FeatureConfig, LogMel
 from transcribe.results import Result
-from transcribe.timestamps import FrameTiming, build_result
+from transcribe.timestamps import DEFAULT_SEGMENT_DELIMITERS, FrameTiming, build_result
 
 # Pieces longer than this are cut at pauses by the pipeline: attention memory grows with the
 # square of the length, and Parakeet models were trained on utterances up to about 30-40 s.
@@ -115,6 +115,7 @@ class ParakeetEngine:
     """Transcribes batches of 16 kHz float32 pieces with one loaded `.nemo` model."""
 
     detects_language = False  # no language prompt (v3 finds the language itself, per piece)
+    sentence_delimiters = DEFAULT_SEGMENT_DELIMITERS  # its segments are sentences (timestamps.segment_spans)
 
     def __init__(self, name: str, features: LogMel, encoder: ConformerEncoder, decoder, tokenizer: Tokenizer,
                  kind: str, timing: FrameTiming, device: str = "cpu", encoder_backend: str = "auto",

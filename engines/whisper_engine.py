@@ -31,7 +31,7 @@ from engines.whisper_languages import language_code
 from engines.whisper_words import split_segments
 from transcribe.engine_api import checked_pieces
 from transcribe.results import Result, Segment, Word
-from transcribe.stitching import shift
+from transcribe.stitching import join_texts, shift
 from transcribe.whisper_features import (HOP_LENGTH, N_FFT, N_FRAMES, SAMPLE_RATE, FeatureConfig,
                                          log_mel_spectrogram)
 
@@ -226,6 +226,7 @@ class WhisperEngine:
         self.sample_rate = SAMPLE_RATE
         self.max_piece_seconds = WINDOW_SECONDS
         self.bucket_edges_s = (WINDOW_SECONDS,)  # every window costs a full 30 s encoder pass
+        self.sentence_delimiters = None  # its segments are its timestamp spans, kept as they are
         # The decoder's stages (encoder, decoder, fallback, words) plus "batch" (below).
         self.stage_seconds = decoder.stage_seconds
 
@@ -381,7 +382,7 @@ class WhisperEngine:
                 # begins (`stitch`), so times stay in order. OpenAI seeks to the last word's end
                 # instead, which would make the text depend on the word times.
                 r = shift(out[i], 0.0, until=end)
-                out[i] = Result(text=f"{r.text} {more.text}", words=r.words + more.words,
+                out[i] = Result(text=join_texts([r.text, more.text]), words=r.words + more.words,
                                 segments=r.segments + more.segments, tokens=r.tokens + more.tokens,
                                 language=r.language, language_probability=r.language_probability)
 

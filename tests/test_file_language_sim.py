@@ -68,6 +68,7 @@ class FakeOutputs:
 class FakeEngine:
     sample_rate = SR
     device = "cpu"
+    sentence_delimiters = None
 
     def __init__(self, nature, calls):
         self.nature, self.calls = nature, calls  # (fid, index, n_mels) -> what it is

@@ -100,3 +100,39 @@ def test_stitched_times_never_start_before_their_piece():
     assert (alone.words[0].start, alone.words[0].end, alone.segments[0].start) == (0.0, 0.0, 0.0)
     later = stitch([Result(text="a", words=[Word("a", 0.0, 0.5)], segments=[Segment("a", 0.0, 0.5)]), r], [0.0, 10.0])
     assert [(w.start, w.end) for w in later.words] == [(0.0, 0.5), (10.0, 10.0)]
+
+
+def test_pieces_of_an_unspaced_script_join_without_a_space_and_keep_their_own_segments():
+    """Whisper's pieces of Chinese were joined with a space at every cut ("感觉 阿娜"), in the
+    text and where a window's tail is decoded on; a space stays between words of a spaced
+    script, and where only one side is unspaced. Without sentence delimiters (Whisper's
+    segments are its timestamp spans) each piece keeps its segments, even unpunctuated."""
+    from transcribe.stitching import join_texts
+
+    zh = [Result(text="有太多的感觉", segments=[Segment("有太多的感觉", 0.0, 2.0)]),
+          Result(text=" 阿娜。", segments=[Segment("阿娜。", 0.0, 1.0)])]
+    s = stitch(zh, [0.0, 13.33])
+    assert s.text == "有太多的感觉阿娜。" and [g.text for g in s.segments] == ["有太多的感觉", "阿娜。"]
+    assert join_texts(["the end", " 阿娜", "", "and more "]) == "the end 阿娜 and more"
+    assert join_texts(["สวัสดี", "ครับ"]) == "สวัสดีครับ"
+
+
+def test_a_transducer_sentence_over_a_cut_is_one_segment():
+    """With the transducer's sentence delimiters a segment runs on over a cut until a word
+    ending in . ? ! (NeMo decodes a long file whole: its segments split only there); a piece
+    opening with the "." of the sentence before gives it to that sentence's last word."""
+    from transcribe.timestamps import DEFAULT_SEGMENT_DELIMITERS
+
+    r1 = Result(text="we left the", words=[Word("we", 0.0, 0.2), Word("left", 0.3, 0.6), Word("the", 0.7, 0.8)],
+                segments=[Segment("we left the", 0.0, 0.8)])
+    r2 = Result(text="house. And then", words=[Word("house.", 0.1, 0.5), Word("And", 1.0, 1.2), Word("then", 1.3, 1.5)],
+                segments=[Segment("house.", 0.1, 0.5), Segment("And then", 1.0, 1.5)])
+    r3 = Result(text=". Fine", words=[Word(".", 0.0, 0.0), Word("Fine", 0.2, 0.6)],
+                segments=[Segment(".", 0.0, 0.0), Segment("Fine", 0.2, 0.6)])
+    s = stitch([r1, r2, r3], [0.0, 10.0, 20.0], 30.0, DEFAULT_SEGMENT_DELIMITERS)
+    assert [(g.text, g.start, g.end) for g in s.segments] == [
+        ("we left the house.", 0.0, 10.5), ("And then.", 11.0, 11.5), ("Fine", 20.2, 20.6)]
+    assert [w.word for w in s.words] == ["we", "left", "the", "house.", "And", "then.", "Fine"]
+    assert s.words[5].end == 11.5 and s.text == "we left the house. And then. Fine"
+    kept = stitch([r1, r2, r3], [0.0, 10.0, 20.0], 30.0)  # Whisper's way: each piece's segments
+    assert [g.text for g in kept.segments] == ["we left the", "house.", "And then", ".", "Fine"]

@@ -184,3 +184,59 @@ def test_ctc_words_and_segments_equal_nemo_on_a_punctuated_vocabulary():
         if got != {k: case[k] for k in got}:
             wrong.append((i, got, case))
     assert not wrong, f"{len(wrong)} of {len(ref['cases'])} differ; first: {wrong[0]}"
+
+
+def test_a_file_cut_into_pieces_has_the_words_and_segments_of_one_decode():
+    """A long file is decoded in pieces cut at pauses; NeMo decodes it whole. Stitched with the
+    transducer's sentence rule (`stitch(..., sentence_delimiters)`), the pieces' words and
+    segments must be those of one decode of all the tokens: before, every cut ended a segment
+    (a sentence running over it came out as two, each a subtitle cue), and a piece opening with
+    the "." of the sentence before gave a lone "." word and segment. Random TDT token paths
+    over a vocabulary with punctuation (tests/data/ctc_timestamps), cut between two tokens
+    where a word starts, or before a closing mark that ends a word (a model emits the "." of
+    a sentence cut at a pause first thing in the next piece)."""
+    import random
+
+    from transcribe.stitching import stitch
+    from transcribe.timestamps import DEFAULT_SEGMENT_DELIMITERS
+
+    tok = Tokenizer.from_bytes((CTC_REF / "tokenizer.model").read_bytes())
+    punct = tok.supported_punctuation
+    closing = {p for p in punct if p not in "(«„“"}
+    ids = [i for i in range(tok.vocab_size) if tok.pieces([i])[0] not in ("<unk>",) and tok.text([i]).strip()]
+    stop = tok.vocab.index(".")
+    fs = TIMING.frame_seconds
+    rng = random.Random(0)
+    checked = glued = joined = 0
+    for trial in range(400):
+        n = rng.randint(6, 30)
+        tokens = [rng.choice(ids) for _ in range(n)]
+        for i in rng.sample(range(n), 3):  # sentence ends, to have segments to keep or join
+            tokens[i] = stop
+        durations = [rng.randint(0, 3) for _ in tokens]
+        frames = [sum(durations[:i]) for i in range(n)]
+        pieces = tok.pieces(tokens)
+
+        def word_start(i: int) -> bool:
+            return pieces[i].startswith("\u2581") and len(pieces[i]) > 1 and pieces[i][1] not in punct
+
+        cuts = [c for c in range(1, n) if durations[c - 1] > 0 and (word_start(c) or (
+            pieces[c] in closing and pieces[c - 1] not in punct and pieces[c - 1] != "\u2581"
+            and (c + 1 == n or word_start(c + 1))))]
+        if not cuts:
+            continue
+        c = rng.choice(cuts)
+        whole = build_result(tok, tokens, frames, durations, "tdt", TIMING)
+        a = build_result(tok, tokens[:c], frames[:c], durations[:c], "tdt", TIMING)
+        b = build_result(tok, tokens[c:], [f - frames[c] for f in frames[c:]], durations[c:], "tdt", TIMING)
+        got = stitch([a, b], [0.0, frames[c] * fs], duration=frames[-1] * fs + 10, sentence_delimiters=DEFAULT_SEGMENT_DELIMITERS)
+        assert [w.word for w in got.words] == [w.word for w in whole.words], (trial, c, pieces)
+        assert [(s.text) for s in got.segments] == [s.text for s in whole.segments], (trial, c, pieces)
+        for mine, theirs in ((got.segments, whole.segments), (got.words, whole.words)):
+            assert [t for x in mine for t in (x.start, x.end)] == \
+                pytest.approx([t for x in theirs for t in (x.start, x.end)], abs=1e-9), (trial, c, pieces)
+        assert got.text == whole.text, (trial, c, pieces)
+        checked += 1
+        glued += pieces[c] in closing
+        joined += len(got.segments) < len(a.segments) + len(b.segments)
+    assert checked > 250 and glued > 30 and joined > 100, (checked, glued, joined)

@@ -48,6 +48,10 @@ class Engine(Protocol):
     # The model detects the spoken language (Whisper with --language auto): the pipeline decodes
     # a file's later pieces in its first piece's language (`transcribe/file_language.py`).
     detects_language: bool
+    # What a result's segments are: sentences ending in one of these (Parakeet: NeMo's rule),
+    # which a long file's stitching makes again over all its words, as NeMo decoding it whole
+    # would; None: the model's own spans (Whisper's), kept per piece (`stitching.stitch`).
+    sentence_delimiters: tuple[str, ...] | None
 
     def reserve(self, max_items: int) -> None: ...  # preallocate batch buffers, once at startup
 

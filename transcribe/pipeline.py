@@ -345,7 +345,8 @@ class _Job:
         parts = [f.pieces[k] for k in range(f.expected)]
         seconds = f.samples / self.engine.sample_rate
         start = f.file.offset or 0.0  # a segment's times too are seconds from the start of the file
-        result = stitch([r for _, r in parts], [start + o for o, _ in parts], start + seconds)
+        result = stitch([r for _, r in parts], [start + o for o, _ in parts], start + seconds,
+                        self.engine.sentence_delimiters)
         del self.files[fid]
         if self.languages is not None:
             self.languages.forget(fid)

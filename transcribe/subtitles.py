@@ -67,7 +67,7 @@ class _Token:
         return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in self.text)
 
 
-def _unspaced(ch: str) -> bool:
+def unspaced(ch: str) -> bool:
     """A character of a script written without spaces between words."""
     return unicodedata.east_asian_width(ch) in "WF" or any(a <= ord(ch) <= b for a, b in _UNSPACED_RANGES)
 
@@ -207,7 +207,7 @@ def _timed_tokens(segments, words) -> list[list[_Token]] | None:
             if "".join(chars[pos:pos + len(text)]) != text:
                 return None
             cuts = [0] + [c for c in range(1, len(text)) if owner[pos + c] != owner[pos + c - 1]
-                          and _unspaced(text[c - 1]) and _unspaced(text[c])] + [len(text)]
+                          and unspaced(text[c - 1]) and unspaced(text[c])] + [len(text)]
             for a, b in zip(cuts, cuts[1:]):
                 first, last = words[owner[pos + a]], words[owner[pos + b - 1]]
                 tokens.append(_Token(text[a:b], first.start, last.end, glued=a > 0))

@@ -155,6 +155,13 @@ def segment_spans(words: list[_Span], delimiters: Sequence[str] = DEFAULT_SEGMEN
     return segments
 
 
+def sentence_segments(words: Sequence[Word], delimiters: Sequence[str] = DEFAULT_SEGMENT_DELIMITERS) -> list[Segment]:
+    """Segments of words already in seconds (a whole file's, stitched from its pieces:
+    `stitching.stitch`) by `segment_spans`' rule: the same segments as a piece's own."""
+    spans = segment_spans([_Span(w.word, "", w.start, w.end) for w in words], delimiters)
+    return [Segment(s.text, s.start, s.end) for s in spans]
+
+
 def build_result(tokenizer: Tokenizer, tokens: Sequence[int], frames: Sequence[int],
                  durations: Sequence[int], kind: Kind, timing: FrameTiming, *, offset_s: float = 0.0,
                  segment_delimiters: Sequence[str] = DEFAULT_SEGMENT_DELIMITERS,
