@@ -4,7 +4,8 @@ import random
 import re
 
 from transcribe.results import Result, Segment, Word
-from transcribe.subtitles import MAX_CUE_CHARS, MAX_CUE_SECONDS, MAX_LINE_CHARS, _timed_tokens, _Token, cues, wrap
+from transcribe.subtitles import (MAX_CUE_CHARS, MAX_CUE_PAUSE_SECONDS, MAX_CUE_SECONDS, MAX_LINE_CHARS, MIN_CUE_SECONDS,
+                                 _timed_tokens, _Token, cues, wrap)
 from transcribe.writers import needs_words, write_srt
 
 
@@ -30,10 +31,11 @@ def _fits(cue_words: list[Word]) -> bool:
 
 
 def _fewest_cues(words: list[Word]) -> int:
-    """Greedy packing: the fewest cues possible, since any run inside a cue that fits fits."""
+    """Greedy packing: the fewest cues possible, since any run inside a cue that fits fits;
+    a pause of MAX_CUE_PAUSE_SECONDS between words ends one."""
     count, cur = 0, []
     for w in words:
-        if cur and not _fits(cur + [w]):
+        if cur and (not _fits(cur + [w]) or w.start - cur[-1].end >= MAX_CUE_PAUSE_SECONDS):
             count, cur = count + 1, []
         cur.append(w)
     return count + (1 if cur else 0)
@@ -63,8 +65,11 @@ def test_long_segments_become_the_fewest_readable_cues_with_their_words_times():
             for _ in range(len(" ".join(c.lines).split()) - 1):
                 last = next(spelled)
             last = last if len(" ".join(c.lines).split()) > 1 else first
-            assert c.start == (seg.start if k == 0 else first.start)
-            assert c.end == (seg.end if k == len(inner) - 1 else last.end)
+            start, end = (seg.start if k == 0 else first.start), (seg.end if k == len(inner) - 1 else last.end)
+            if end - start >= MIN_CUE_SECONDS:
+                assert (c.start, c.end) == (start, end)
+            else:  # a cue too short to read takes time from the silence around it
+                assert c.start <= start and c.end >= end and c.end - c.start <= MIN_CUE_SECONDS + 1e-9
 
 
 def test_a_cut_after_punctuation_wins_when_it_costs_no_extra_cue():
@@ -156,7 +161,8 @@ def test_text_without_spaces_is_cut_between_its_words_by_display_width():
 
 
 def _spans(result: Result) -> list[tuple[float, float, str]]:
-    return [(c.start, c.end, " ".join(c.lines)) for c in cues(result)]
+    """Each cue's times (to the microsecond: no float noise) and text."""
+    return [(round(c.start, 6), round(c.end, 6), " ".join(c.lines)) for c in cues(result)]
 
 
 def _plain(*segments: tuple[float, float, str]) -> Result:
@@ -173,7 +179,7 @@ def test_a_segment_of_no_length_is_shown_in_the_silence_around_its_time():
     """A zero-length cue is skipped or flashed by players. Whisper's tails made one: a tune's
     "Muzica", moved by its word times past the 2 s where its tail was decoded from, was capped
     there (2.0-2.0, `whisper_engine._decode_tails`); a TDT word of duration 0 makes a one-word
-    segment of no length. Such a cue gets up to COLLAPSED_CUE_SECONDS of the silence around
+    segment of no length. Such a cue gets up to MIN_CUE_SECONDS of the silence around
     it, centred on its time where there is room; no other cue moves."""
     assert _spans(_plain((2.0, 2.0, "Muzica"), (2.0, 5.74, "Bă, bă."))) == [
         (1.0, 2.0, "Muzica"), (2.0, 5.74, "Bă, bă.")]
@@ -181,7 +187,7 @@ def test_a_segment_of_no_length_is_shown_in_the_silence_around_its_time():
         (0.5, 1.5, "one two"), (2.5, 3.5, "three"), (4.0, 5.0, "four")]
     assert _spans(_plain((0.5, 2.9, "one"), (3.0, 3.0, "three"), (3.2, 5.0, "four"))) == [
         (0.5, 2.9, "one"), (2.9, 3.2, "three"), (3.2, 5.0, "four")]
-    assert _spans(_plain((0.5, 1.0, "one"), (7.0, 7.0, "last"))) == [(0.5, 1.0, "one"), (6.5, 7.5, "last")]
+    assert _spans(_plain((0.5, 1.0, "one"), (7.0, 7.0, "last"))) == [(0.25, 1.25, "one"), (6.5, 7.5, "last")]
     # No silence on either side: its words join the cue that begins at its time.
     assert _spans(_plain((1.0, 2.0, "one"), (2.0, 2.0, "two"), (2.0, 2.0, "three"), (2.0, 3.0, "four"))) == [
         (1.0, 2.0, "one"), (2.0, 3.0, "two three four")]
@@ -217,7 +223,7 @@ def test_a_last_cue_of_no_length_stays_within_the_audio():
                    [Segment("one.", 0.2, 9.0), Segment("two", 9.95, 10.4)])
     assert _spans(stitch([piece], [0.0], 9.95)) == [(0.2, 9.0, "one."), (9.0, 9.95, "two")]
     assert _spans(stitch([piece], [0.0], 9.0)) == [(0.2, 9.0, "one. two")]
-    assert _spans(stitch([piece], [0.0])) == [(0.2, 9.0, "one."), (9.95, 10.4, "two")]  # no end known
+    assert _spans(stitch([piece], [0.0])) == [(0.2, 9.0, "one."), (9.675, 10.675, "two")]  # no end known
 
 
 def test_a_first_cue_of_no_length_stays_within_a_manifest_segment():
@@ -227,7 +233,7 @@ def test_a_first_cue_of_no_length_stays_within_a_manifest_segment():
     from transcribe.stitching import stitch
 
     piece = Result("a. b", [Word("a.", 0.0, 0.0), Word("b", 2.0, 2.5)], [Segment("a.", 0.0, 0.0), Segment("b", 2.0, 2.5)])
-    assert _spans(stitch([piece], [15.5], 30.0)) == [(15.5, 16.5, "a."), (17.5, 18.0, "b")]
+    assert _spans(stitch([piece], [15.5], 30.0)) == [(15.5, 16.5, "a."), (17.25, 18.25, "b")]
     assert _spans(stitch([piece], [0.0], 30.0))[0] == (0.0, 1.0, "a.")
 
 
@@ -239,7 +245,7 @@ def test_overlapping_segments_end_the_earlier_cue_and_out_of_order_ones_wait():
         (1.0, 4.0, "one two"), (4.0, 7.0, "three")]
     assert _spans(_plain((2.5, 5.0, "one"), (2.0, 6.0, "two"))) == [(2.5, 5.0, "one"), (5.0, 6.0, "two")]
     assert _spans(_plain((2.5, 5.0, "one"), (2.0, 4.0, "two"), (9.0, 9.5, "three"))) == [
-        (2.5, 5.0, "one"), (5.0, 6.0, "two"), (9.0, 9.5, "three")]
+        (2.5, 5.0, "one"), (5.0, 6.0, "two"), (8.75, 9.75, "three")]
 
 
 def _cue_times(subtitles: str) -> list[tuple[int, int]]:
@@ -272,3 +278,28 @@ def test_srt_and_vtt_cues_always_have_length_and_never_overlap():
             assert len(times) == len(cues(result)) and all(b > a for a, b in times), (segments, times)
             assert all(b[0] >= a[1] for a, b in zip(times, times[1:])), (segments, times)
         assert " ".join(" ".join(c.lines) for c in cues(result)).split() == result.text.split()
+
+
+def test_no_cue_is_shown_through_a_long_pause():
+    """"and so" (10.0-10.5 s), 5 s of silence, "we left the house": one segment (a Parakeet
+    sentence runs on over a long file's pauses) came out as one cue from 10.0 to 16.5 s, its
+    later words on screen seconds before they are heard. A pause of MAX_CUE_PAUSE_SECONDS or
+    more between words ends a cue; a shorter one does not."""
+    words = [Word("and", 10.0, 10.2), Word("so", 10.3, 10.5), Word("we", 15.5, 15.7), Word("left", 15.8, 16.0),
+             Word("the", 16.05, 16.2), Word("house.", 16.25, 16.5)]
+    text = " ".join(w.word for w in words)
+    got = _spans(Result(text, words, [Segment(text, 10.0, 16.5)]))
+    assert got == [(9.75, 10.75, "and so"), (15.5, 16.5, "we left the house.")]  # the first made 1 s long
+    near = [Word("and", 10.0, 10.2), Word("so", 10.3, 10.5), Word("we", 10.5 + MAX_CUE_PAUSE_SECONDS - 0.01, 12.5)]
+    assert len(cues(Result("and so we", near, [Segment("and so we", 10.0, 12.5)]))) == 1
+
+
+def test_a_short_cue_is_shown_long_enough_to_read_in_the_silence_around_it():
+    """"And on." timed to its 0.2 s of speech flashed by, with a second of silence after it. A
+    cue shorter than MIN_CUE_SECONDS takes up to that much of the silence around it, centred on
+    its time; it never covers another cue or leaves the audio, and a long one keeps its times."""
+    assert _spans(_plain((1.0, 1.2, "And on."), (3.0, 5.0, "Then we left."))) == [
+        (0.6, 1.6, "And on."), (3.0, 5.0, "Then we left.")]
+    assert _spans(_plain((1.0, 2.0, "one"), (2.1, 2.4, "two"), (2.6, 4.0, "three"))) == [
+        (1.0, 2.0, "one"), (2.0, 2.6, "two"), (2.6, 4.0, "three")]  # all the room there is
+    assert _spans(_plain((0.1, 0.3, "hi"), (3.0, 5.0, "there"))) == [(0.0, 1.0, "hi"), (3.0, 5.0, "there")]

@@ -18,7 +18,7 @@ def _result():
 def test_srt_and_vtt_timestamps():
     srt = write_srt(_result())
     assert srt.startswith("1\n00:00:00,000 --> 00:00:01,200\nhello world.\n")
-    assert "2\n01:01:01,000 --> 01:01:01,500\nagain\n" in srt
+    assert "2\n01:01:00,750 --> 01:01:01,750\nagain\n" in srt  # 0.5 s of speech shown for 1 s
     vtt = write_vtt(_result())
     assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.200\nhello world.\n")
     odd = Result("AT&T said x <b> --> y", segments=[Segment("AT&T said x <b> --> y", 0.0, 2.0)])

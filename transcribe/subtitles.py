@@ -8,9 +8,13 @@ into the fewest cues that fit, as even as can be, preferring cuts after punctuat
 cue's times are those of its first and last words. The text of the cues, joined, is the
 segment's text: words are never moved or respelled, only the whitespace between them.
 
-Cues are then settled in time (`_settle`): none overlaps the next, and one of no
-length (a segment whose times were capped to a point) takes a moment of the silence around
-it, or, where there is none, joins the next cue.
+A cue never spans a pause of MAX_CUE_PAUSE_SECONDS or more between two of its words: shown
+through it, its later words would be read seconds before they are heard (a Parakeet sentence
+runs on over a long file's pauses; an unpunctuated model's segment is a whole piece).
+
+Cues are then settled in time (`_settle`): none overlaps the next, and one shorter than
+MIN_CUE_SECONDS (a word or two said fast, or a segment whose times were capped to a point)
+takes up to that much of the silence around it, or, where a point has none, joins the next cue.
 
 Word times come from `Result.words`, matched to the segment text character by character
 (whitespace aside: Whisper's words split "self-substantial" in two, the text does not). A
@@ -39,10 +43,13 @@ _PUNCTUATION = tuple(",;:.?!，、；：。？！")
 # Scripts written without spaces between words that are not East Asian wide: Thai, Lao,
 # Myanmar, Khmer (wide ones, CJK, are found by their width).
 _UNSPACED_RANGES = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF))
-# A cue that would have no length (`_give_time`) is shown this long where the silence around
-# it allows: about the shortest time a line of subtitle can be read in (Netflix's minimum
-# duration is 5/6 s).
-COLLAPSED_CUE_SECONDS = 1.0
+# A shorter cue (`_give_time`) is shown this long where the silence around it allows: about
+# the shortest time a line of subtitle can be read in (Netflix's minimum duration is 5/6 s);
+# "And on." timed to its 0.2 s of speech flashed by.
+MIN_CUE_SECONDS = 1.0
+# A pause between words this long or longer ends a cue (BBC and Netflix practice: no subtitle
+# through a silence of more than a second or two).
+MAX_CUE_PAUSE_SECONDS = 1.5
 
 
 @dataclass(frozen=True)
@@ -96,13 +103,25 @@ def cues(result) -> list[Cue]:
         if timed is None:
             drafts.append(_Draft(seg.start, seg.end, [_Token(t, seg.start, seg.end) for t in seg.text.split()]))
             continue
-        groups = _cut(timed[i])
+        groups = [g for run in _between_pauses(timed[i]) for g in _cut(run)]
         for k, group in enumerate(groups):
             # The first and last cue keep the segment's own times.
             drafts.append(_Draft(seg.start if k == 0 else group[0].start,
                                  seg.end if k == len(groups) - 1 else group[-1].end, group))
     end = math.inf if result.audio_end is None else result.audio_end
     return [Cue(d.start, d.end, wrap(d.tokens)) for d in _settle(drafts, result.audio_start, end)]
+
+
+def _between_pauses(tokens: list[_Token]) -> list[list[_Token]]:
+    """A segment's tokens in runs split where a pause of MAX_CUE_PAUSE_SECONDS or more lies
+    between one word's end and the next one's start."""
+    runs: list[list[_Token]] = []
+    for t in tokens:
+        if runs and t.start - runs[-1][-1].end < MAX_CUE_PAUSE_SECONDS:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
 
 
 def _ms(seconds: float) -> int:
@@ -140,10 +159,10 @@ def _order(drafts: list[_Draft]) -> None:
 
 
 def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) -> list[_Draft]:
-    """A cue of zero length gets up to COLLAPSED_CUE_SECONDS of the silence around it, centred
+    """A cue shorter than MIN_CUE_SECONDS gets up to that much of the silence around it, centred
     on its time where the cues before and after leave room: it stays where it was in the
     file (a zero-length time is where its words were capped, or where its word was) and no
-    other cue moves. With no silence on either side (cues meeting at its time), its words
+    other cue moves. A cue of zero length with no silence on either side (cues meeting at its time), its words
     join the cue after it, which begins at that time: no words are lost and no time is made
     up for them, at the cost of a fuller cue (cut again if it no longer fits, `_refit`). The first cue has from `begin`, the last until
     `end` (the audio's start and end: a cue outside them shows words over audio that is not
@@ -151,12 +170,13 @@ def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) 
     out: list[_Draft] = []
     joined: set[int] = set()  # ids of the drafts that took in another's words
     for i, d in enumerate(drafts):
-        if _ms(d.end) == _ms(d.start):
+        if _ms(d.end) - _ms(d.start) < _ms(MIN_CUE_SECONDS):
             before = out[-1].end if out else min(begin, d.start)
-            after = drafts[i + 1].start if i + 1 < len(drafts) else max(end, d.start)
-            d.start = max(before, d.start - COLLAPSED_CUE_SECONDS / 2)
-            d.end = min(after, d.start + COLLAPSED_CUE_SECONDS)
-            d.start = max(before, d.end - COLLAPSED_CUE_SECONDS)
+            after = drafts[i + 1].start if i + 1 < len(drafts) else max(end, d.end)
+            start, stop = d.start, d.end
+            d.start = max(before, (start + stop - MIN_CUE_SECONDS) / 2)
+            d.end = max(stop, min(after, d.start + MIN_CUE_SECONDS))
+            d.start = min(start, max(before, d.end - MIN_CUE_SECONDS))
             if _ms(d.end) == _ms(d.start):  # no room on either side
                 if i + 1 < len(drafts):
                     drafts[i + 1].tokens = d.tokens + drafts[i + 1].tokens
