@@ -162,11 +162,12 @@ def _give_time(drafts: list[_Draft], begin: float = 0.0, end: float = math.inf) 
     """A cue shorter than MIN_CUE_SECONDS gets up to that much of the silence around it, centred
     on its time where the cues before and after leave room: it stays where it was in the
     file (a zero-length time is where its words were capped, or where its word was) and no
-    other cue moves. A cue of zero length with no silence on either side (cues meeting at its time), its words
-    join the cue after it, which begins at that time: no words are lost and no time is made
-    up for them, at the cost of a fuller cue (cut again if it no longer fits, `_refit`). The first cue has from `begin`, the last until
-    `end` (the audio's start and end: a cue outside them shows words over audio that is not
-    theirs, or outlasts the file); at the end with no room, it joins the cue before."""
+    other cue moves. A cue of zero length with no silence on either side (cues meeting at its
+    time) gives its words to the cue after it, which begins at that time: no words are lost
+    and no time is made up for them, at the cost of a fuller cue (cut again if it no longer
+    fits, `_refit`). The first cue has from `begin`, the last until `end` (the audio's start
+    and end: a cue outside them shows words over audio that is not theirs, or outlasts the
+    file); at the end with no room, it joins the cue before."""
     out: list[_Draft] = []
     joined: set[int] = set()  # ids of the drafts that took in another's words
     for i, d in enumerate(drafts):
