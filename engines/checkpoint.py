@@ -166,14 +166,13 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
     both start without network. `offline=None` follows `HF_HUB_OFFLINE`.
     """
     p = Path(model).expanduser()
-    if p.suffix == ".nemo" or p.exists():
-        if p.is_dir():  # an unpacked .nemo, say, or a Whisper folder without its weights (engines.loader)
-            raise CheckpointError(f"{model}: a folder holding no checkpoint (a Whisper folder holds model.bin "
-                                  "or model.safetensors; a Parakeet checkpoint is the .nemo file itself)")
+    if local_exists(p) or p.suffix == ".nemo":
+        if p.is_dir():  # a Hugging Face snapshot folder, an unpacked .nemo, or a Whisper folder without its weights
+            return _nemo_in_folder(model, p)
         if not p.is_file():
             raise CheckpointError(f"{model}: no such checkpoint file")
         return p
-    entry = REGISTRY.get(model)
+    entry = REGISTRY.get(registry_name(model))
     if entry is None and ("/" in model or p.suffix.lower() in (".pt", ".pth", ".safetensors", ".bin")):
         raise CheckpointError(f"{model}: no such file or folder")  # a path, not a misspelt name
     if entry is None:
@@ -182,6 +181,37 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
                               f"a CTranslate2 or Hugging Face folder) or one of: {known} "
                               "(`transcribe models` says where each comes from)")
     return _hf_download(entry, offline=offline, timeout_s=timeout_s)
+
+
+def local_exists(p: Path) -> bool:
+    """Whether `p` is there; CheckpointError when a folder on its way cannot be entered (Path.exists
+    raises PermissionError there: a traceback)."""
+    try:
+        return p.exists()
+    except PermissionError:
+        raise CheckpointError(f"{p}: permission denied (a folder on its path cannot be entered)") from None
+
+
+def registry_name(model: str) -> str:
+    """The registry's name for a Hugging Face repo id (`nvidia/parakeet-tdt-0.6b-v2`, what NeMo
+    and HF users type; any case, as the hub takes it), else `model` as it is."""
+    for entry in REGISTRY.values():
+        if model.lower() == entry.repo_id.lower():
+            return entry.name
+    return model
+
+
+def _nemo_in_folder(model: str, folder: Path) -> Path:
+    """The one `.nemo` a folder holds (a Hugging Face snapshot folder); CheckpointError naming
+    what it found otherwise."""
+    found = sorted(f for f in folder.glob("*.nemo") if f.is_file())
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise CheckpointError(f"{model}: a folder holding {len(found)} .nemo files "
+                              f"({', '.join(f.name for f in found)}): pass the one to run")
+    raise CheckpointError(f"{model}: a folder holding no checkpoint (a Whisper folder holds model.bin "
+                          "or model.safetensors; a Parakeet checkpoint is a .nemo file)")
 
 
 def hub_offline() -> bool:

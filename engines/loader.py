@@ -11,12 +11,13 @@ import os
 import sys
 from pathlib import Path
 
-from engines.checkpoint import REGISTRY, CheckpointError, hub_reachable, resolve_checkpoint
+from engines.checkpoint import REGISTRY, CheckpointError, hub_reachable, registry_name, resolve_checkpoint
 from engines.whisper_languages import language_code
 
 DEFAULT_PARAKEET = "parakeet-tdt-0.6b-v2"
 BUNDLED = "whisper-base"
 WHISPER_NAMES = ("whisper-base",)
+BUNDLED_REPO_ID = "openai/whisper-base"  # the repo of the bundled model's weights: `--model` may name it so
 WHISPER_SUFFIXES = (".pt", ".pth", ".safetensors", ".bin")
 
 
@@ -29,9 +30,12 @@ def is_whisper_path(model: str) -> bool:
     """A local Whisper checkpoint: OpenAI .pt, safetensors, CT2 model.bin, or a folder of those
     (`~` expanded, as `load_engine` reads a path: a quoted `~/w.pt` is the same model)."""
     p = Path(model).expanduser()
-    if p.is_dir():
-        return (p / "model.bin").is_file() or (p / "model.safetensors").is_file()
-    return p.suffix in WHISPER_SUFFIXES and p.is_file()
+    try:
+        if p.is_dir():
+            return (p / "model.bin").is_file() or (p / "model.safetensors").is_file()
+        return p.suffix in WHISPER_SUFFIXES and p.is_file()
+    except PermissionError:  # a folder on the way cannot be entered: the load says so (resolve_checkpoint)
+        return False
 
 
 def is_whisper(name: str) -> bool:
@@ -46,10 +50,10 @@ def choose_model(model: str | None, bundled: bool = True) -> str:
     command that takes Parakeet models only (export-engine) ends the order at the default
     Parakeet, whose own error then says why it cannot be had, never at the bundled Whisper."""
     if model:
-        return model
+        return known_name(model)
     env = os.environ.get("TRANSCRIBE_MODEL")
     if env:
-        return env
+        return known_name(env)
     if not bundled:
         return DEFAULT_PARAKEET
     try:
@@ -68,13 +72,24 @@ def choose_model(model: str | None, bundled: bool = True) -> str:
     return BUNDLED
 
 
+def known_name(model: str) -> str:
+    """A Hugging Face repo id that the registry (or the bundled model) serves, by its registry
+    name, so both spellings are one model (resume compares names); a path that is there stays
+    a path."""
+    if os.path.exists(os.path.expanduser(model)):
+        return model
+    return BUNDLED if model.lower() == BUNDLED_REPO_ID else registry_name(model)
+
+
 def checked_model(model: str | None, encoder_backend: str = "auto", features_on: str = "auto",
                   language: str | None = None, task: str = "transcribe", prompt: str | None = None) -> str:
     """The model `load_engine` would load (a path made absolute), after checking that it takes
     the options given (OptionError if not). Imports no torch and reads no weights: a command
     line checks this before it spawns workers or imports anything heavy."""
     name = choose_model(model)
-    if name not in REGISTRY and name not in WHISPER_NAMES and Path(name).expanduser().exists():
+    if name not in REGISTRY and name not in WHISPER_NAMES and os.path.exists(os.path.expanduser(name)):
+        # (os.path.exists: False, where Path.exists raised, for a path in a folder that cannot be
+        # entered; the load then says "permission denied")
         # A path names the model by where it is, however it was typed: results.jsonl records
         # it and a rerun compares it (`m.nemo` from two folders is two models).
         name = os.path.abspath(Path(name).expanduser())
@@ -113,7 +128,7 @@ def settings_before_load(name: str, language: str | None = None, task: str = "tr
     that is not there (its load says so). The transcribe command skips loading when these
     settings find every file done already; tests/test_resume.py holds them to the engines'."""
     if not is_whisper(name):
-        return {} if name in REGISTRY or Path(name).is_file() else None
+        return {} if name in REGISTRY or os.path.isfile(name) else None
     if prompt is not None or not (name in WHISPER_NAMES or name in REGISTRY):
         return None
     code = "en" if language is None else language_code(language)

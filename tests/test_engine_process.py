@@ -64,11 +64,11 @@ def test_chunked_streams_of_an_offline_trained_model_step_there_as_here(files):
     assert there == here and all(len(texts) > 1 and texts[-1] for texts in here.values()), here
 
 
-def test_a_load_error_is_raised_here_as_the_engine_process_raised_it():
+def test_a_load_error_is_raised_here_as_the_engine_process_raised_it(tmp_path):
     """The CLI tells a bad model (exit 1) from an option it does not take (exit 2) by the
     exception: the engine process's reaches the server process as itself."""
     with pytest.raises(CheckpointError, match="a folder holding no checkpoint"):
-        RemotePool(_load(model=str(VARIANT)), 2)
+        RemotePool(_load(model=str(tmp_path)), 2)
     with pytest.raises(OptionError, match="cache-aware streaming checkpoint"):
         RemotePool(_load(chunk_ms=500.0), 2)
 

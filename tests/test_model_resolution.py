@@ -288,3 +288,20 @@ def test_a_file_that_is_no_archive_is_one_line_naming_it(tmp_path):
     with pytest.raises(CheckpointError, match=r"text\.nemo: not a \.nemo \(tar\) archive") as e:
         NemoArchive(tmp_path / "text.nemo")
     assert "\n" not in str(e.value)
+
+
+@needs_shared
+def test_a_hugging_face_repo_id_or_snapshot_folder_is_the_model_it_names(hf_cache):
+    """`--model nvidia/parakeet-tdt-0.6b-v2` (what NeMo and HF users type) and the snapshot folder
+    holding its .nemo were both refused as no such file / a folder holding no checkpoint."""
+    from engines.loader import checked_model
+
+    want = fill_cache(hf_cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", NEMO_REF / "tdt_tiny" / "model.nemo")
+    assert resolve_checkpoint("nvidia/parakeet-tdt-0.6b-v2").resolve() == want.resolve()
+    # One name for both spellings: results.jsonl records it and a rerun compares it.
+    assert checked_model("nvidia/Parakeet-TDT-0.6b-v2") == "parakeet-tdt-0.6b-v2"
+    assert checked_model("openai/whisper-base") == BUNDLED and checked_model("openai/whisper-tiny") == "whisper-tiny"
+    assert resolve_checkpoint(str(want.parent)) == want
+    shutil.copy(want, want.parent / "copy.nemo")
+    with pytest.raises(CheckpointError, match=r"a folder holding 2 \.nemo files \(copy\.nemo, parakeet-tdt-0\.6b-v2\.nemo\)"):
+        resolve_checkpoint(str(want.parent))
