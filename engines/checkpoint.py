@@ -14,14 +14,16 @@ import tarfile
 import urllib.error
 import urllib.request
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import yaml
 
 if TYPE_CHECKING:  # torch is imported where weights are read: choosing a model needs none
     import torch
+    from torch import nn
 
 CONFIG_MEMBER = "model_config.yaml"
 PROBE_TIMEOUT_S = 2.0  # one HEAD request to the hub before any download (`hub_reachable`)
@@ -120,7 +122,12 @@ class NemoArchive:
     def config(self) -> dict[str, Any]:
         """`model_config.yaml` as a plain dict (read once)."""
         if self._config is None:
-            self._config = yaml.safe_load(self.member_bytes(CONFIG_MEMBER))
+            try:
+                self._config = yaml.safe_load(self.member_bytes(CONFIG_MEMBER))
+            except yaml.YAMLError as e:  # not a ValueError: it was a traceback
+                mark = getattr(e, "problem_mark", None)
+                where = f" (line {mark.line + 1}: {e.problem})" if mark is not None else ""
+                raise CheckpointError(f"{self.path}: {CONFIG_MEMBER} is not valid YAML{where}") from e
             if not isinstance(self._config, dict):
                 raise CheckpointError(f"{self.path}: {CONFIG_MEMBER} is not a mapping")
         return self._config
@@ -144,6 +151,53 @@ class NemoArchive:
                       (str(e).strip().splitlines() or [type(e).__name__])[0])
             raise CheckpointError(f"{self.path}: its weights cannot be read ({reason}); "
                                   f"the archive may be cut short: download or copy it again") from e
+
+
+@contextmanager
+def naming_checkpoint(path: str | os.PathLike) -> Iterator[None]:
+    """Inside, a ValueError (a config key we do not support, weights that do not fit the config,
+    a tokenizer that is not one) becomes a CheckpointError naming the checkpoint: the user may
+    not know which file ran ($TRANSCRIBE_MODEL, the default model, a snapshot path). The one
+    place loading errors get the file's name, so the validators stay free of paths."""
+    from engines.choices import DeviceError  # the machine's, not the file's: passes as it is
+
+    try:
+        yield
+    except (CheckpointError, DeviceError):
+        raise
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def config_section(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    """A top-level section of model_config.yaml; ValueError when it is missing or not a mapping
+    (a KeyError or AttributeError deep in a config reader was a traceback)."""
+    section = cfg.get(key)
+    if not isinstance(section, dict):
+        what = "is missing" if section is None else f"is a {type(section).__name__}, not a mapping"
+        raise ValueError(f"{CONFIG_MEMBER}: section '{key}' {what}")
+    return section
+
+
+def load_strict(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:
+    """`module.load_state_dict(state, strict=True, assign=True)`, the names and shapes compared
+    first: weights that do not fit the module the config built are one ValueError with the
+    counts, the first name and the first shape that differ, not torch's RuntimeError listing
+    every key (hundreds for a large model). `prefix`: the keys' prefix in the checkpoint."""
+    want = module.state_dict()  # on the meta device: the names and shapes the config gives
+    missing = [k for k in want if k not in state]
+    unexpected = [k for k in state if k not in want]
+    reshaped = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k].shape)]
+    if missing or unexpected or reshaped:
+        parts = [f"{len(keys)} {what} (first: {prefix}.{keys[0]})"
+                 for keys, what in ((missing, "missing"), (unexpected, "unexpected")) if keys]
+        if reshaped:
+            k = reshaped[0]
+            parts.append(f"{len(reshaped)} of another shape (first: {prefix}.{k} is {list(state[k].shape)} "
+                         f"in the weights, {list(want[k].shape)} by the config)")
+        raise ValueError(f"the weights do not match {CONFIG_MEMBER}: {'; '.join(parts)}")
+    module.load_state_dict(state, strict=True, assign=True)
+    return module
 
 
 def sub_state_dict(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

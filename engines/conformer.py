@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from engines.attention import MASK_VALUE, RelPositionalEncoding, RelPositionMultiHeadAttention
+from engines.checkpoint import load_strict
 from engines.encoder_config import EncoderConfig
 from engines.fast_linear import PackedLinear, apply_linear, onednn_linear_available, pack, packing_pays
 from engines.precision import check_dtype
@@ -185,12 +186,12 @@ class ConformerEncoder(nn.Module):
         checked against `device` first (engines.precision.check_dtype: ValueError when
         unsupported). `consume=True` empties `state` once loaded, so each weight that fusing
         replaces (a packed or cast copy) is freed at once instead of both living to the end."""
-        ref = state["pre_encode.out.weight"]  # present in every supported layout (strict load)
-        device = ref.device if device is None else torch.device(device)
-        check_dtype(dtype, device)
         with torch.device("meta"):
             model = cls(cfg)
-        model.load_state_dict(state, strict=True, assign=True)
+        load_strict(model, state, "encoder")  # ValueError, one line, for weights another config made
+        ref = model.pre_encode.out.weight  # present in every supported layout
+        device = ref.device if device is None else torch.device(device)
+        check_dtype(dtype, device)
         if consume:
             state.clear()
         model.pos_enc.materialise(ref.device, ref.dtype)

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.checkpoint import sub_state_dict
+from engines.checkpoint import load_strict, sub_state_dict
 from engines.decode_stages import Hypothesis
 
 CTC_TARGETS = ("EncDecCTCModelBPE",)
+CHAR_CTC_TARGETS = ("EncDecCTCModel",)  # `decoder.vocabulary` characters, no SentencePiece model
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class CTCConfig:
 def ctc_config_from_nemo(cfg: dict[str, Any]) -> CTCConfig:
     """Read the CTC head of a hybrid (`aux_ctc.decoder`) or pure CTC (`decoder`) model config."""
     target = str(cfg.get("target", "")).rsplit(".", 1)[-1]
+    if target in CHAR_CTC_TARGETS:  # it has a CTC head; what we lack is its character vocabulary
+        raise ValueError(f"config key 'target' = {cfg.get('target')!r} is a character-vocabulary CTC model: "
+                         f"not supported (BPE CTC models only: {', '.join(CTC_TARGETS)})")
     if "aux_ctc" in cfg:
         head, key, prefix = (cfg["aux_ctc"] or {}).get("decoder"), "aux_ctc.decoder", "ctc_decoder"
     elif target in CTC_TARGETS:
@@ -107,8 +111,7 @@ class CTCDecoder:
         state = archive.state_dict() if state_dict is None else state_dict
         with torch.device("meta"):
             head = CTCHead(cfg)
-        head.load_state_dict(sub_state_dict(state, cfg.state_prefix), strict=True, assign=True)
-        return cls(cfg, head.eval())
+        return cls(cfg, load_strict(head, sub_state_dict(state, cfg.state_prefix), cfg.state_prefix).eval())
 
     @torch.inference_mode()
     def log_probs(self, encoder_out: torch.Tensor) -> torch.Tensor:

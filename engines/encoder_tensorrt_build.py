@@ -128,15 +128,15 @@ def export_onnx(nemo_path: str | os.PathLike, out: str | os.PathLike) -> Path:
     `<out name>.<8 hex>.data`, named by the .onnx and renamed into place before it, so an
     .onnx never points at another export's weights; the data file of the export it replaced
     is removed."""
-    from engines.checkpoint import NemoArchive, pop_sub_state_dict
+    from engines.checkpoint import NemoArchive, config_section, naming_checkpoint, pop_sub_state_dict
     from engines.conformer import EncoderConfig
     from engines.encoder_onnx import export_encoder, exportable_encoder
 
     onnx = _import_onnx()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with NemoArchive(nemo_path) as archive:
-        cfg = EncoderConfig.from_nemo(archive.config["encoder"])
+    with NemoArchive(nemo_path) as archive, naming_checkpoint(nemo_path):
+        cfg = EncoderConfig.from_nemo(config_section(archive.config, "encoder"))
         encoder = exportable_encoder(cfg, pop_sub_state_dict(archive.state_dict(), "encoder"))
     # A folder of its own: torch writes a large model's weights as hundreds of files named by
     # the graph (onnx__MatMul_6170), alike for every model of one architecture, so two exports

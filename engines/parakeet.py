@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.checkpoint import NemoArchive, pop_sub_state_dict, sub_state_dict
-from engines.conformer import ConformerEncoder, EncoderConfig
+from engines.checkpoint import NemoArchive, naming_checkpoint, pop_sub_state_dict, sub_state_dict
+from engines.conformer import ConformerEncoder
 from engines.ctc import CTCDecoder
 from engines.decode_modes import DecodeMode
 from engines.encoder_backend import (DEFAULT_EDGES_S, BackendOptions, feature_profiles, feature_width,
                                      length_blocks, make_backend, resolve_backend)
+from engines.nemo_spec import NemoSpec
 from engines.precision import TRT_PRECISION, resolve_dtype
 from engines.stage_times import StageTimes
 from engines.tokenizer import Tokenizer
@@ -47,7 +48,6 @@ CPU_BLOCK_SECONDS = 60.0
 # Batch length buckets (s): the encoder backend's shape profiles are built on these edges and
 # the engine's bucket_edges_s is read back from the backend (engines/encoder_backend.py).
 BUCKET_EDGES_S = DEFAULT_EDGES_S
-CTC_ONLY_TARGETS = ("EncDecCTCModelBPE", "EncDecCTCModel")
 DECODINGS = ("auto", "ctc")  # from_nemo's `decoding`: the transducer where there is one, or the CTC head
 
 
@@ -184,27 +184,24 @@ class ParakeetEngine:
         options = replace(backend_options or BackendOptions(), nemo_path=str(path))
         if backend == "tensorrt" and dtype != "auto":
             options = replace(options, precision=TRT_PRECISION[compute])
-        with NemoArchive(path) as archive:
-            cfg = archive.config
+        with NemoArchive(path) as archive, naming_checkpoint(archive.path):
+            spec = NemoSpec.read(archive, decoding)  # config and tokenizer, whole, before any weight is read
             state = archive.state_dict()
-            fcfg = FeatureConfig.from_nemo(cfg["preprocessor"])
             bufs = sub_state_dict(state, "preprocessor.featurizer")
-            features = LogMel(fcfg, window=bufs.get("window"), fb=bufs.get("fb"))
+            features = LogMel(spec.features, window=bufs.get("window"), fb=bufs.get("fb"))
             # oneDNN-packed weights are CPU-only opaque tensors that `.to()` cannot move.
             # The encoder takes its weights out of `state` and frees each one that packing replaces.
-            encoder = ConformerEncoder.from_state(EncoderConfig.from_nemo(cfg["encoder"]), pop_sub_state_dict(state, "encoder"),
+            encoder = ConformerEncoder.from_state(spec.encoder, pop_sub_state_dict(state, "encoder"),
                                                   pack_linears=device == "cpu" and backend != "compile", consume=True,
                                                   dtype=compute, device=device)
-            target = str(cfg.get("target", ""))
-            if target.endswith(CTC_ONLY_TARGETS) or decoding == "ctc" and "aux_ctc" not in cfg:
+            if spec.ctc_only:
                 decoder, kind = CTCDecoder.from_archive(archive, state), "ctc"
             else:
                 decoder = TransducerDecoder.from_archive(archive, state)
                 kind = "ctc" if decoding == "ctc" else ("tdt" if decoder.config.is_tdt else "rnnt")
-            tokenizer = Tokenizer.from_archive(archive)
         del state
-        timing = FrameTiming(fcfg.window_stride, encoder.cfg.subsampling_factor)
-        engine = cls(name or Path(path).stem, features, encoder, decoder, tokenizer, kind, timing, device, backend, options,
+        timing = FrameTiming(spec.features.window_stride, encoder.cfg.subsampling_factor)
+        engine = cls(name or Path(path).stem, features, encoder, decoder, spec.tokenizer, kind, timing, device, backend, options,
                      features_on)
         if isinstance(engine.decoder, TransducerDecoder) and kind != "ctc":
             engine.decoder.set_mode(decoder_mode)  # after the move: the mode depends on the device

@@ -49,7 +49,11 @@ class Tokenizer:
         model_path = cfg.get("model_path")
         if not isinstance(model_path, str) or not model_path:
             raise ValueError(f"config key 'tokenizer.model_path' = {model_path!r} is not a member reference")
-        return cls.from_bytes(archive.member_bytes(model_path))
+        try:
+            return cls.from_bytes(archive.member_bytes(model_path))
+        except RuntimeError as e:  # sentencepiece's "INTERNAL: ... ParseFromArray": it was a traceback
+            raise ValueError(f"tokenizer member {model_path!r} is not a SentencePiece model (damaged, "
+                             "or another tokenizer's file)") from e
 
     # --- decoding ---------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.checkpoint import sub_state_dict
+from engines.checkpoint import load_strict, sub_state_dict
 from engines.cpu_threads import DECODER_THREADS, decoder_threads, fastest_threads
 from engines.ctc import CTCHead, ctc_config_from_nemo, greedy_ctc
 from engines.decode_graphs import GraphDecoder
@@ -132,9 +132,21 @@ def _durations(cfg: dict[str, Any]) -> tuple[int, ...]:
              "multi-blank RNN-T is not implemented")
     temperature = dec.get("temperature", 1.0)
     _require(temperature == 1.0, "decoding.temperature", temperature, "only 1.0")
-    durations = dec.get("durations") or []
+    durations, key = dec.get("durations") or [], "decoding.durations"
+    # NeMo's set_decoding_type_according_to_loss (rnnt_models.py), at every load: a TDT loss's
+    # durations replace decoding.durations (a checkpoint whose two lists differ decoded with the
+    # decoding's here and the loss's in NeMo: other text), and a multi-blank loss's big blanks
+    # replace the decoding's. Any other loss ("default" is warprnnt_numba) leaves them.
+    loss = cfg.get("loss") if isinstance(cfg.get("loss"), dict) else {}
+    loss_name = loss.get("loss_name", "default")
+    _require(loss_name != "multiblank_rnnt", "loss.loss_name", loss_name, "multi-blank RNN-T is not implemented")
+    if loss_name == "tdt":
+        kwargs = loss.get("tdt_kwargs")
+        durations, key = (kwargs.get("durations") if isinstance(kwargs, dict) else None), "loss.tdt_kwargs.durations"
+        _require(isinstance(durations, list) and len(durations) > 0, key, durations,
+                 "a TDT loss decodes with these durations (as NeMo does): a non-empty list")
     _require(isinstance(durations, list) and all(isinstance(d, int) and d >= 0 for d in durations),
-             "decoding.durations", durations, "must be a list of non-negative ints")
+             key, durations, "must be a list of non-negative ints")
     return tuple(durations)
 
 
@@ -226,8 +238,7 @@ class Joint(nn.Module):
 
 
 def _load(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> nn.Module:
-    module.load_state_dict(sub_state_dict(state, prefix), strict=True, assign=True)
-    return module.eval()
+    return load_strict(module, sub_state_dict(state, prefix), prefix).eval()
 
 
 class TransducerDecoder:

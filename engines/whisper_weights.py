@@ -299,8 +299,10 @@ def load_any(path: str | Path) -> tuple[WhisperDims, dict[str, torch.Tensor]]:
     p = Path(path)
     try:
         return _load_any(p)
-    except WhisperWeightsError:
-        raise
+    except WhisperWeightsError as e:  # the readers' own: name the file where they did not
+        if str(p) in str(e):
+            raise
+        raise WhisperWeightsError(f"{p}: {e}") from e
     except (RuntimeError, MemoryError, OverflowError, KeyError, EOFError, struct.error, ValueError) as e:
         raise WhisperWeightsError(f"{p}: not a readable Whisper checkpoint (cut short or damaged?): "
                                   f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

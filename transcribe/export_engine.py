@@ -73,21 +73,21 @@ def _tensorrt_ready() -> None:
 def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> int:
     """Run the export; returns the exit status (0 done). ExportError carries failures."""
     name = _parakeet_name(req.model)
-    from engines.checkpoint import CheckpointError, NemoArchive, resolve_checkpoint
-    from engines.conformer import EncoderConfig
+    from engines.checkpoint import CheckpointError, NemoArchive, naming_checkpoint, resolve_checkpoint
+    from engines.nemo_spec import NemoSpec
     from engines.encoder_backend import BackendOptions, feature_profiles
     from engines.choices import EngineBuildError
     from engines.encoder_tensorrt_build import (TensorRTUnavailable, default_cache_dir, ensure_engine, export_onnx,
                                                 model_digest)
-    from transcribe.features import FeatureConfig
 
     if not req.onnx_only and req.onnx is None:
         _tensorrt_ready()  # fail fast, before a download: nothing else was asked for
     try:
         nemo = resolve_checkpoint(name)
-        with NemoArchive(nemo) as archive:
-            fcfg = FeatureConfig.from_nemo(archive.config["preprocessor"])
-            EncoderConfig.from_nemo(archive.config["encoder"])  # an encoder we cannot build fails here, not mid-export
+        with NemoArchive(nemo) as archive, naming_checkpoint(nemo):
+            # The whole config and tokenizer, as a run's load checks them: an engine no run can
+            # use is refused here, not after minutes of building.
+            fcfg = NemoSpec.read(archive).features
     except (CheckpointError, ValueError, OSError) as e:
         raise ExportError(f"cannot load model: {e}") from e
     cache_dir = req.cache_dir or default_cache_dir()
@@ -104,6 +104,8 @@ def export_engine(req: ExportRequest, echo: Callable[[str], None] = print) -> in
         path, built = ensure_engine(nemo, profiles, fcfg.features, req.precision, cache_dir, onnx_path=onnx)
     except (EngineBuildError, TensorRTUnavailable) as e:  # a failed build; TensorRT 11's or no onnx package
         raise ExportError(str(e)) from e
+    except CheckpointError as e:  # weights that do not fit the config, found when the encoder is built
+        raise ExportError(f"cannot load model: {e}") from e
     except OSError as e:  # an --onnx or --cache-dir that cannot be written (read-only, a file)
         verb = "read" if e.filename is not None and Path(e.filename) == nemo else "write"
         raise ExportError(f"cannot {verb} {e.filename or cache_dir}: {e.strerror or e}") from e
