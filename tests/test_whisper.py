@@ -280,8 +280,11 @@ def test_a_sentence_after_seconds_of_digital_silence_is_transcribed_at_its_time(
 
 def test_short_tails_are_kept_only_when_clearly_speech():
     """A tail of 1-1.5 s stands when its no-speech probability is at most 0.2 and its mean
-    log-probability at least -1; a longer one when no-speech is at most 0.5. Constructed decoder
-    output: "liner." after "aligner" (0.20 at -1.20) and "Thank you." (0.74) are dropped."""
+    log-probability at least -1; a longer one when no-speech is at most 0.5, and, if only the
+    temperature fallback's sample passed, at most 0.2. Constructed decoder output: "liner."
+    after "aligner" (0.20 at -1.20) and "Thank you." (0.74) are dropped, and so is the 2.6 s
+    tail of mfa_erpause (bf16 encoder), "Thanks for watching. I'll see you all in the next
+    video. Bye." sampled at temperature 0.4 with no-speech 0.476 (16 errors for 3 words)."""
     from types import SimpleNamespace
 
     from engines.stage_times import StageTimes
@@ -291,18 +294,20 @@ def test_short_tails_are_kept_only_when_clearly_speech():
     tok = SimpleNamespace(eot=50257, timestamp_begin=50364)
     ts = lambda s: tok.timestamp_begin + round(s / 0.02)  # noqa: E731
 
-    def window(text, end, logprob=-0.3, no_speech=0.02):
-        return WindowResult(text, ((0.0, end, text),), (ts(0.0), 100, ts(end)), logprob, no_speech, 1.0, False)
+    def window(text, end, logprob=-0.3, no_speech=0.02, temperature=0.0):
+        return WindowResult(text, ((0.0, end, text),), (ts(0.0), 100, ts(end)), logprob, no_speech, 1.0, False,
+                            temperature=temperature)
 
-    cases = [((1.3, -0.35, 0.02), True), ((1.3, -1.2, 0.196), False), ((1.3, -0.8, 0.74), False),
-             ((1.3, -0.8, 0.25), False), ((1.8, -0.8, 0.41), True), ((1.8, -0.8, 0.55), False)]
-    for (tail, logprob, no_speech), kept in cases:
-        decoded = iter([window("Main.", 10.0 - tail), window("Tail.", tail - 0.1, logprob, no_speech)])
+    cases = [((1.3, -0.35, 0.02, 0.0), True), ((1.3, -1.2, 0.196, 0.0), False), ((1.3, -0.8, 0.74, 0.0), False),
+             ((1.3, -0.8, 0.25, 0.0), False), ((1.8, -0.8, 0.41, 0.0), True), ((1.8, -0.8, 0.55, 0.0), False),
+             ((2.6, -0.82, 0.476, 0.4), False), ((2.6, -0.82, 0.15, 0.4), True)]
+    for (tail, logprob, no_speech, temperature), kept in cases:
+        decoded = iter([window("Main.", 10.0 - tail), window("Tail.", tail - 0.1, logprob, no_speech, temperature)])
         decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
                                   stage_seconds=StageTimes("cpu"),
                                   decode=lambda mel, frames, words, languages, after_pause=None: [next(decoded) for _ in frames])
         out = WhisperEngine(decoder).transcribe_features([torch.zeros(80, 1000)])[0]  # 10 s of sound
-        assert out.text == ("Main. Tail." if kept else "Main."), (tail, logprob, no_speech)
+        assert out.text == ("Main. Tail." if kept else "Main."), (tail, logprob, no_speech, temperature)
 
 
 def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
