@@ -13,7 +13,9 @@ end-to-end RTFx including load and interpreter start, the ratio ours / peer, and
 manifest text, both sides computed here in the project venv by `transcribe.bench.wer` (OpenAI
 Whisper's English normaliser; the peer venv needs no WER package). A file our side failed is
 scored as an empty transcript and makes the script exit 1 after the report, so a ratio bought by
-dropped files does not pass unnoticed.
+dropped files does not pass unnoticed. The files where one side made FILE_GAP_ERRORS or more
+word errors than the other are listed (and, with --json, kept with both texts): a corpus WER
+hides one file's made-up sentence among thousands of words (mfa_erpause: 16 errors against 3).
 """
 from __future__ import annotations
 
@@ -70,6 +72,28 @@ def ours_result(report: Path, out_dir: Path, manifest: Path) -> dict:
     return {"audio_seconds": rep["audio_seconds"], "load_seconds": rep["stages"]["load_model"],
             "transcribe_seconds": rep["transcribe_seconds"], "texts": [by_path[p] for p in paths],
             "files_failed": rep.get("files_failed", 0)}
+
+
+FILE_GAP_ERRORS = 2
+
+
+def file_gaps(paths: list[str], refs: list[str], ours: list[str], peer: list[str],
+              gap: int = FILE_GAP_ERRORS) -> list[dict]:
+    """The files whose word errors (`edit_distance` over OpenAI-normalised words) differ by at
+    least `gap` between the sides, ours worse first, with both texts and error counts."""
+    sys.path.insert(0, str(ROOT))
+    from transcribe.bench import edit_distance, normalize_text
+
+    rows = []
+    for path, ref, mine, theirs in zip(paths, refs, ours, peer):
+        words = normalize_text(ref).split()
+        if not any(c.isalnum() for c in "".join(words)):  # no word to recognise (WER skips it too)
+            continue
+        e_ours, e_peer = (edit_distance(words, normalize_text(t).split()) for t in (mine, theirs))
+        if abs(e_ours - e_peer) >= gap:
+            rows.append({"audio_filepath": path, "reference": ref, "ours": mine, "peer": theirs,
+                         "ours_errors": e_ours, "peer_errors": e_peer, "words": len(words)})
+    return sorted(rows, key=lambda r: r["peer_errors"] - r["ours_errors"])
 
 
 def peer_model(folder: Path) -> Path:
@@ -141,20 +165,28 @@ def main() -> None:
             peer_out = Path(tmp) / "peer.json"
             wall = _timed([str(PEER_PYTHON), "bench/whisper_peer.py", str(args.manifest), str(peer_model(PEER_MODEL)),
                            str(peer_out), "--compute-type", args.peer_compute_type, *lim])
-            summary["peer"] = _report("peer", json.loads(peer_out.read_text()), wall, refs)
+            peer_res = json.loads(peer_out.read_text())
+            summary["peer"] = _report("peer", peer_res, wall, refs)
         # Ours: the real CLI, end to end (workers, VAD cutting, batching, writers).
         manifest = limited_manifest(args.manifest, args.limit, Path(tmp))
         report, out_dir = Path(tmp) / "ours.json", Path(tmp) / "ours_out"
         transcribe = Path(sys.executable).with_name("transcribe")
         wall = _timed([str(transcribe), "bench", str(manifest), "--model", "whisper-base", "--device", "cpu",
                        "--dtype", args.dtype, "--json", str(report), "--out", str(out_dir)], ok=(0, 3))
-        summary["ours"] = _report("ours", ours_result(report, out_dir, manifest), wall, refs)
+        ours_res = ours_result(report, out_dir, manifest)
+        summary["ours"] = _report("ours", ours_res, wall, refs)
     if "peer" in summary:
         ratio = summary["ours"]["rtfx"] / summary["peer"]["rtfx"]
         e2e = summary["ours"]["rtfx_e2e"] / summary["peer"]["rtfx_e2e"]
         summary["ratio"], summary["ratio_e2e"] = ratio, e2e
         print(f"ratio ours ({args.dtype}) / peer ({args.peer_compute_type}): RTFx x{ratio:.2f}, end-to-end "
               f"x{e2e:.2f}  (cpu count {os.cpu_count()})")
+        paths = [audio_path(args.manifest, r) for r in read_manifest(args.manifest, args.limit)]
+        gaps = summary["file_gaps"] = file_gaps(paths, refs, ours_res["texts"], peer_res["texts"])
+        for g in gaps:
+            print(f"{'ours worse' if g['ours_errors'] > g['peer_errors'] else 'peer worse'}: "
+                  f"{os.path.relpath(g['audio_filepath'], args.manifest.parent)} {g['ours_errors']} errors "
+                  f"against {g['peer_errors']} ({g['words']} words)")
         if abs(summary["peer"]["audio_seconds"] - summary["ours"]["audio_seconds"]) > 0.5:
             print(f"warning: the sides read different audio: peer {summary['peer']['audio_seconds']:.1f} s, "
                   f"ours {summary['ours']['audio_seconds']:.1f} s", file=sys.stderr)

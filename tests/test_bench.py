@@ -159,3 +159,18 @@ def test_the_report_names_the_cpu_model():
     model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name"))
     assert device_name("cpu").startswith(f"cpu ({model}, ")
+
+
+def test_compare_whisper_lists_the_files_one_side_got_clearly_worse():
+    """A made-up sentence on one 5 s file (mfa_erpause, 16 errors against faster-whisper's 3)
+    moved the corpus WER of 135 files by 0.8 points and was seen by no one: the files whose
+    errors differ by FILE_GAP_ERRORS or more are listed, ours worse first; a 1-word difference,
+    and a reference with no words, are not."""
+    cw = _bench_script("compare_whisper")
+    paths = ["a.flac", "b.flac", "c.flac", "d.flac"]
+    refs = ["Montreal forced aligner, I hardly know 'er", "red green blue", "cyan magenta yellow", "..."]
+    ours = ["Montreal for a stiliner? I hardly know. Thanks for watching. Bye.", "red green blue", "cyan magenta", "x y z"]
+    peer = ["Montreal forced aligner, I hardly know her.", "red", "cyan magenta yellow", ""]
+    got = cw.file_gaps(paths, refs, ours, peer)
+    assert [(g["audio_filepath"], g["ours_errors"], g["peer_errors"]) for g in got] == [("a.flac", 7, 1), ("b.flac", 0, 2)]
+    assert got[0]["ours"] == ours[0] and got[0]["words"] == 7
