@@ -230,11 +230,24 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
     if entry is None and ("/" in model or p.suffix.lower() in (".pt", ".pth", ".safetensors", ".bin")):
         raise CheckpointError(f"{model}: no such file or folder")  # a path, not a misspelt name
     if entry is None:
-        known = ", ".join(sorted([*REGISTRY, "whisper-base"]))  # whisper-base: bundled (engines.loader)
-        raise CheckpointError(f"unknown model {model!r}: pass a checkpoint's path (.nemo; Whisper: .pt, .safetensors, "
-                              f"a CTranslate2 or Hugging Face folder) or one of: {known} "
-                              "(`transcribe models` says where each comes from)")
+        names = sorted([*REGISTRY, "whisper-base"])  # whisper-base: bundled (engines.loader)
+        guess = did_you_mean(model, names)
+        raise CheckpointError(f"unknown model {model!r}{f' (did you mean {guess}?)' if guess else ''}: pass a "
+                              f"checkpoint's path (.nemo; Whisper: .pt, .safetensors, a CTranslate2 or Hugging Face "
+                              f"folder) or one of: {', '.join(names)} (`transcribe models` says where each comes from)")
     return _hf_download(entry, offline=offline, timeout_s=timeout_s)
+
+
+def did_you_mean(model: str, names: list[str]) -> str | None:
+    """The registry name a user most likely meant: faster-whisper's and openai-whisper's own names
+    (`base`, `large-v3`) are ours with `whisper-` before them; else the closest spelling."""
+    import difflib
+
+    lowered = model.lower()
+    if f"whisper-{lowered}" in names:
+        return f"whisper-{lowered}"
+    close = difflib.get_close_matches(lowered, names, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def local_exists(p: Path) -> bool:

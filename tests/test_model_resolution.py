@@ -2,6 +2,7 @@
 --model > $TRANSCRIBE_MODEL > cached Parakeet > bundled Whisper order, and Whisper end to end."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -305,3 +306,14 @@ def test_a_hugging_face_repo_id_or_snapshot_folder_is_the_model_it_names(hf_cach
     shutil.copy(want, want.parent / "copy.nemo")
     with pytest.raises(CheckpointError, match=r"a folder holding 2 \.nemo files \(copy\.nemo, parakeet-tdt-0\.6b-v2\.nemo\)"):
         resolve_checkpoint(str(want.parent))
+
+
+def test_a_misspelt_or_foreign_model_name_gets_a_guess():
+    """faster-whisper's and openai-whisper's names (`base`, `large-v3`) and a typo got the list of
+    twenty names and no hint; the likely one is now said first. A name like none gets none."""
+    for typed, meant in [("base", "whisper-base"), ("Large-V3", "whisper-large-v3"), ("tiny.en", "whisper-tiny.en"),
+                         ("parakeet-tdt-0.6b-v2x", "parakeet-tdt-0.6b-v2"), ("parakeet-tdt-06b-v3", "parakeet-tdt-0.6b-v3")]:
+        with pytest.raises(CheckpointError, match=rf"unknown model '{re.escape(typed)}' \(did you mean {re.escape(meant)}\?\)"):
+            resolve_checkpoint(typed)
+    with pytest.raises(CheckpointError, match=r"unknown model 'zzz': pass"):
+        resolve_checkpoint("zzz")
