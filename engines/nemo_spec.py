@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.checkpoint import config_section
-from engines.ctc import ctc_config_from_nemo
+from engines.ctc import CHAR_CTC_TARGETS, CTC_TARGETS, ctc_config_from_nemo
 from engines.encoder_config import EncoderConfig
 from engines.tokenizer import Tokenizer
 from engines.transducer import TransducerConfig
 from transcribe.features import FeatureConfig
 
 # Models decoded by their CTC head alone (the character-vocabulary one is refused by name, ctc.py).
-CTC_ONLY_TARGETS = ("EncDecCTCModelBPE", "EncDecCTCModel")
+CTC_ONLY_TARGETS = CTC_TARGETS + CHAR_CTC_TARGETS
 
 
 @dataclass(frozen=True)
