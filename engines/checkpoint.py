@@ -219,6 +219,15 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
     (`HF_HOME` / `HF_HUB_CACHE`), so a second run and an offline machine with a filled cache
     both start without network. `offline=None` follows `HF_HUB_OFFLINE`.
     """
+    found = located(model)
+    return found if isinstance(found, Path) else _hf_download(found, offline=offline, timeout_s=timeout_s)
+
+
+def located(model: str) -> Path | RegistryEntry:
+    """The local checkpoint file `model` names, or its registry entry (not fetched); a
+    CheckpointError for a name or path that is neither. Reads no weights and touches no network:
+    a command checks this before it spawns workers or creates its --out (a typo said in a
+    fraction of a second)."""
     p = Path(model).expanduser()
     if local_exists(p) or p.suffix == ".nemo":
         if p.is_dir():  # a Hugging Face snapshot folder, an unpacked .nemo, or a Whisper folder without its weights
@@ -235,7 +244,7 @@ def resolve_checkpoint(model: str, *, offline: bool | None = None, timeout_s: fl
         raise CheckpointError(f"unknown model {model!r}{f' (did you mean {guess}?)' if guess else ''}: pass a "
                               f"checkpoint's path (.nemo; Whisper: .pt, .safetensors, a CTranslate2 or Hugging Face "
                               f"folder) or one of: {', '.join(names)} (`transcribe models` says where each comes from)")
-    return _hf_download(entry, offline=offline, timeout_s=timeout_s)
+    return entry
 
 
 def did_you_mean(model: str, names: list[str]) -> str | None:

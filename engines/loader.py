@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from engines.checkpoint import REGISTRY, CheckpointError, hub_reachable, registry_name, resolve_checkpoint
+from engines.checkpoint import REGISTRY, CheckpointError, hub_reachable, located, registry_name, resolve_checkpoint
 from engines.whisper_languages import language_code
 
 DEFAULT_PARAKEET = "parakeet-tdt-0.6b-v2"
@@ -84,8 +84,9 @@ def known_name(model: str) -> str:
 def checked_model(model: str | None, encoder_backend: str = "auto", features_on: str = "auto",
                   language: str | None = None, task: str = "transcribe", prompt: str | None = None) -> str:
     """The model `load_engine` would load (a path made absolute), after checking that it takes
-    the options given (OptionError if not). Imports no torch and reads no weights: a command
-    line checks this before it spawns workers or imports anything heavy."""
+    the options given (OptionError if not), and that it names a model there is (CheckpointError
+    if not: an unknown name, a missing file). Imports no torch, reads no weights and fetches
+    nothing: a command line checks this before it spawns workers or imports anything heavy."""
     name = choose_model(model)
     if name not in REGISTRY and name not in WHISPER_NAMES and os.path.exists(os.path.expanduser(name)):
         # (os.path.exists: False, where Path.exists raised, for a path in a folder that cannot be
@@ -94,6 +95,8 @@ def checked_model(model: str | None, encoder_backend: str = "auto", features_on:
         # it and a rerun compares it (`m.nemo` from two folders is two models).
         name = os.path.abspath(Path(name).expanduser())
     whisper = is_whisper(name)
+    if name not in WHISPER_NAMES and not is_whisper_path(name):
+        located(name)  # a registry entry or a .nemo file (load_engine then fetches or reads it)
     if whisper and encoder_backend not in ("auto", "torch"):
         raise OptionError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")
     if not whisper and task != "transcribe":
@@ -110,11 +113,14 @@ def checked_model(model: str | None, encoder_backend: str = "auto", features_on:
 
 
 def check_streamable(model: str) -> None:
-    """OptionError for a Whisper model: `stream` and `serve` run FastConformer transducers only.
-    Imports no torch: the command says it at once."""
-    if is_whisper(choose_model(model)):
+    """OptionError for a Whisper model: `stream` and `serve` run FastConformer transducers only;
+    CheckpointError for a name or file there is none of (`located`). Imports no torch: the
+    command says it at once."""
+    name = choose_model(model)
+    if is_whisper(name):
         raise OptionError(f"{model} is a Whisper model: streaming takes FastConformer transducers "
                           "(TDT / RNN-T .nemo) only")
+    located(name)
 
 
 def settings_before_load(name: str, language: str | None = None, task: str = "transcribe",
@@ -158,25 +164,34 @@ def load_engine(model: str | None, device: str = "auto", encoder_backend: str = 
     Parakeet models take no language (v2 is English, v3 finds the language itself), only
     transcribe, and take no prompt."""
     name = checked_model(model, encoder_backend, features_on, language, task, prompt)
-    entry = REGISTRY.get(name)
-    whisper = is_whisper(name)
-    if whisper:
-        from engines.whisper_engine import WhisperEngine
-        from engines.whisper_tokenizer import LanguageTaskError
+    cached = resolve_checkpoint(name) if name in REGISTRY else None  # fetched into the Hugging Face cache
+    from engines.whisper_weights import WhisperWeightsError
 
-        try:
-            if name in WHISPER_NAMES:
-                engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task, prompt)
-            else:
-                engine = WhisperEngine.load_path(resolve_checkpoint(name) if entry else Path(name), device,
-                                                 name=name, decoder_mode=decoder_mode, dtype=dtype,
-                                                 language=language or "en", task=task, prompt=prompt)
-        except LanguageTaskError as e:  # known only once the vocabulary is read
-            raise OptionError(f"{name}: {e}") from e
-        engine.word_timestamps = word_timestamps
-        return engine
-    from engines.parakeet import ParakeetEngine
+    try:
+        if is_whisper(name):
+            from engines.whisper_engine import WhisperEngine
+            from engines.whisper_tokenizer import LanguageTaskError
 
-    return ParakeetEngine.from_nemo(resolve_checkpoint(name), device, name=name, encoder_backend=encoder_backend,
-                                    decoder_mode=decoder_mode, features_on=features_on, dtype=dtype,
-                                    backend_options=backend_options)
+            try:
+                if name in WHISPER_NAMES:
+                    engine = WhisperEngine.load(name, device, decoder_mode, dtype, language or "en", task, prompt)
+                else:
+                    engine = WhisperEngine.load_path(cached or Path(name), device, name=name, decoder_mode=decoder_mode,
+                                                     dtype=dtype, language=language or "en", task=task, prompt=prompt)
+            except LanguageTaskError as e:  # known only once the vocabulary is read
+                raise OptionError(f"{name}: {e}") from e
+            engine.word_timestamps = word_timestamps
+            return engine
+        from engines.parakeet import ParakeetEngine
+
+        return ParakeetEngine.from_nemo(cached or resolve_checkpoint(name), device, name=name, encoder_backend=encoder_backend,
+                                        decoder_mode=decoder_mode, features_on=features_on, dtype=dtype,
+                                        backend_options=backend_options)
+    except (CheckpointError, WhisperWeightsError) as e:
+        if cached is None:
+            raise
+        # A download cut short, a disk error: "download it again" alone does not say how, and
+        # huggingface_hub hands back what its cache holds, whole or not.
+        repo = next((p for p in cached.parents if p.name.startswith("models--")), cached)
+        raise CheckpointError(f"{e}. It is the Hugging Face cache's copy of {name}: if it is damaged, remove "
+                              f"{repo} and run again to fetch it anew") from e

@@ -383,8 +383,9 @@ def test_an_empty_out_is_a_usage_error_not_the_working_folder(tmp_path):
 @needs_shared
 def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
     """An --out (or bench --json folder) with a file in the way exits 1 naming it, before any
-    model is loaded (the model path here does not exist: loading it would fail differently)."""
+    model is loaded (the model here is no archive: loading it would fail differently)."""
     audio = str(Reference("tdt_tiny").audio_path(0))
+    (tmp_path / "no.nemo").write_bytes(b"not a tar archive")
     blocker = tmp_path / "a_file"
     blocker.write_text("keep me")
     for args in ([audio, "--out", str(blocker)], [audio, "--out", str(blocker / "sub")],
@@ -409,8 +410,9 @@ def test_unwritable_outputs_fail_before_the_model_loads(tmp_path):
 def test_an_out_whose_lock_or_log_cannot_be_opened_fails_before_the_model_loads(tmp_path):
     """A folder where the lock file should be, or a results.jsonl that is a symlink to nothing,
     was a traceback (the log's: once the model had loaded); each exits 1 naming the file, before
-    any model loads (the model path does not exist). Unwritable ones: tests/test_resume.py."""
+    any model loads (the model is no archive). Unwritable ones: tests/test_resume.py."""
     audio = str(Reference("tdt_tiny").audio_path(0))
+    (tmp_path / "no.nemo").write_bytes(b"not a tar archive")
     lock_out, log_out = tmp_path / "lock", tmp_path / "log"
     (lock_out / ".transcribe.lock").mkdir(parents=True)
     log_out.mkdir()
@@ -453,6 +455,48 @@ def test_a_usage_error_is_said_before_torch_is_imported(tmp_path, args, code):
                        text=True, timeout=120)
     assert p.stdout.split() == ["exit", str(code), "False"], (p.stdout, p.stderr)
     assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr
+
+
+@needs_shared
+@pytest.mark.parametrize("command", [["AUDIO", "--out", "OUT"], ["bench", "AUDIO", "--out", "OUT", "--json", "OUT/r.json"],
+                                     ["stream", "AUDIO"], ["serve", "--port", "0"]], ids=lambda v: v[0].lower())
+@pytest.mark.parametrize("model", ["parakeet-tdt-0.6b-v2x", "GONE"])
+def test_a_model_there_is_none_of_is_said_before_torch_is_imported(tmp_path, command, model):
+    """A misspelt name or a missing .nemo ends the command (1) with the load's message in a
+    fraction of a second: no torch imported, no worker spawned, and no --out folder made. It
+    used to be said after 2-6 s, from the load, and left an empty --out holding a lock file."""
+    names = {"AUDIO": str(Reference("tdt_tiny").audio_path(0)), "OUT": str(tmp_path / "x"),
+             "OUT/r.json": str(tmp_path / "x" / "r.json"), "GONE": str(tmp_path / "gone.nemo")}
+    args = [names.get(a, a) for a in [*command, "--model", model]]
+    p = subprocess.run([sys.executable, "-c", _TORCH_AFTER, *args], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.stdout.split() == ["exit", "1", "False"], (p.stdout, p.stderr)
+    says = "unknown model 'parakeet-tdt-0.6b-v2x' (did you mean" if model != "GONE" else "gone.nemo: no such checkpoint"
+    assert p.stderr.startswith(f"error: cannot load model: ") and says in p.stderr, p.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@needs_shared
+def test_a_model_that_fails_to_load_leaves_no_out_folder_it_made(tmp_path):
+    """A checkpoint that cannot be read (cut short) is found only when the model loads, after
+    --out was made and locked: the run removes the folder it made, and leaves one that was
+    there before as it was, with what it held."""
+    ref = Reference("tdt_tiny")
+    broken = tmp_path / "broken.nemo"
+    broken.write_bytes(ref.nemo.read_bytes()[:10_000])
+    audio = str(ref.audio_path(0))
+    p = run_cli(audio, "--model", str(broken), "--out", str(tmp_path / "new" / "out"))
+    assert p.returncode == 1 and "cannot load model: " in p.stderr and "cut short" in p.stderr, p.stderr
+    assert not (tmp_path / "new" / "out").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    p = run_cli(audio, "--model", str(broken), "--out", str(kept))
+    assert p.returncode == 1 and (kept / "notes.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli(audio, "--model", str(broken), "--out", str(empty)).returncode == 1
+    assert empty.is_dir()  # made by the user, not by the run: stays
 
 
 @needs_shared

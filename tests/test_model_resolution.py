@@ -239,6 +239,37 @@ def test_a_checkpoint_cut_short_is_a_clear_error(tmp_path):
     assert "weights_only" not in str(caught.value)  # not torch's advice to run the file's code
 
 
+@needs_shared
+def test_a_damaged_copy_in_the_cache_says_how_to_fetch_it_anew(hf_cache, tmp_path):
+    """A download cut short sits in the Hugging Face cache, and huggingface_hub hands it back on
+    every run: "download it again" alone left the user to find the cache folder (and to know that
+    removing the snapshot's link is not enough). The error names the repo's folder to remove; a
+    file of the user's own gets no such line."""
+    from engines.loader import load_engine
+
+    cut = tmp_path / "cut.nemo"
+    cut.write_bytes((NEMO_REF / "tdt_tiny" / "model.nemo").read_bytes()[:10_000])
+    fill_cache(hf_cache, "nvidia/parakeet-tdt-0.6b-v2", "parakeet-tdt-0.6b-v2.nemo", cut)
+    repo = hf_cache / "models--nvidia--parakeet-tdt-0.6b-v2"
+    with pytest.raises(CheckpointError, match=rf"cut short or damaged.*It is the Hugging Face cache's copy of "
+                                              rf"parakeet-tdt-0.6b-v2: if it is damaged, remove {re.escape(str(repo))} "
+                                              "and run again to fetch it anew$"):
+        load_engine("parakeet-tdt-0.6b-v2", "cpu")
+    with pytest.raises(CheckpointError, match=r"cut\.nemo: the archive is cut short or damaged .*copy it again$"):
+        load_engine(str(cut), "cpu")
+    from engines.whisper_weights import bundled_base_dir
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"\x10\x00\x00")  # a Whisper download cut short
+    (src / "config.json").write_text(json.dumps({"encoder_attention_heads": 2, "decoder_attention_heads": 2}))
+    fill_cache(hf_cache, "openai/whisper-small", "model.safetensors", src / "model.safetensors",
+               config_json=src / "config.json", tokenizer_json=bundled_base_dir()[1] / "tokenizer.json")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*cache's copy of whisper-small: if it is damaged, "
+                                              r"remove .*models--openai--whisper-small and run again"):
+        load_engine("whisper-small", "cpu")
+
+
 def test_a_whisper_checkpoint_is_known_by_a_tilde_path(tmp_path, monkeypatch):
     """A quoted `~/w.pt` names the checkpoint that `load_engine` would load, so a command that
     takes Parakeet models only refuses it as Whisper before loading (stream, serve,

@@ -224,7 +224,9 @@ def merge(
 
 def _refuse_whisper(model: str) -> None:
     """stream and serve run FastConformer transducers: a Whisper model (or an empty --model) is
-    a usage error, said from its name before torch is imported."""
+    a usage error, and an unknown name or a missing file ends the command (1), each said from
+    the name before torch is imported."""
+    from engines.checkpoint import CheckpointError
     from engines.loader import OptionError, check_streamable
 
     refuse_empty([model], "--model", "model")
@@ -233,6 +235,8 @@ def _refuse_whisper(model: str) -> None:
         check_streamable(model)
     except OptionError as e:
         raise fail(str(e), EXIT_USAGE)
+    except CheckpointError as e:
+        raise fail(f"cannot load model: {e}", EXIT_NOTHING_RAN)
 
 
 class _StdoutError(Exception):

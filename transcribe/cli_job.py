@@ -37,6 +37,7 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     given)."""
     # Nothing imported before the model loads imports torch (test_cli checks it): a usage error
     # is said in a fraction of a second, not after torch's seconds of import.
+    from engines.checkpoint import CheckpointError
     from engines.loader import OptionError, checked_model, settings_before_load
     from transcribe.signals import remember_sigint
     from transcribe.workers import Prespawned, WorkerStartError, default_workers
@@ -44,15 +45,20 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     remember_sigint()
     language, part = checked_options(model, device, shard_spec, encoder_backend, decoder_mode, features_on,
                                      dtype, batch_seconds, language, task)
-    files, found = discovered(inputs, part, out, report)
+    files, found = discovered(inputs, part)
+    new_out = out is not None and not os.path.lexists(out)
     if not files:  # no file hashed to this shard (an array job sized for a bigger set): no model needed
+        checked_outputs(out, report)  # the run still leaves its (empty) log there
         typer.echo(f"shard {shard_spec} has no files ({len(found)} files in {part[1]} shards)", err=True)
         return files, None, 0.0, None
     chosen = " (from $TRANSCRIBE_MODEL)" if model is None and os.environ.get("TRANSCRIBE_MODEL") else ""
-    try:  # the model's name, and whether it takes these options, before any worker or weight
+    try:  # the model's name, and whether it takes these options, before any worker, folder or weight
         model = checked_model(model, encoder_backend, features_on, language, task, prompt)
     except OptionError as e:  # an option this model does not take (--language for Parakeet)
         raise fail(str(e), EXIT_USAGE)
+    except CheckpointError as e:  # an unknown name, a missing file: said before --out is made
+        raise fail(f"cannot load model{chosen}: {e}", EXIT_NOTHING_RAN)
+    checked_outputs(out, report)
     if finished is not None:
         settings = settings_before_load(model, language, task, prompt)
         if settings is not None and finished(files, model, settings):
@@ -73,6 +79,8 @@ def prepare(inputs: list[str], model: Optional[str], device: str, shard_spec: Op
     finally:
         if engine is None:  # failed or interrupted: the spare workers have nothing to do
             spares.close(grace_s=0.0)
+            if new_out:
+                unmade(out)
     runtime = getattr(engine, "runtime", "")  # backend, dtypes, decoder mode (Parakeet: features too)
     typer.echo(f"model: {engine.name} on {engine.device}" + (f" ({runtime})" if runtime else ""), err=True)
     return files, engine, time.perf_counter() - t0, spares
@@ -107,9 +115,8 @@ def checked_options(model, device, shard_spec, encoder_backend, decoder_mode, fe
         raise fail(str(e), EXIT_USAGE)
 
 
-def discovered(inputs: list[str], part, out: Optional[Path], report: Optional[Path]):
-    """(this shard's files, every file found); exit 1 when nothing is found. `out` and
-    `report`'s folder are checked here, once the inputs are known and before the model loads."""
+def discovered(inputs: list[str], part):
+    """(this shard's files, every file found); exit 1 when nothing is found."""
     from transcribe.inputs import InputError, discover, shard
 
     refuse_empty(inputs, "an INPUT", "file or folder")
@@ -124,11 +131,40 @@ def discovered(inputs: list[str], part, out: Optional[Path], report: Optional[Pa
         raise fail(str(e), EXIT_NOTHING_RAN)
     if not found:
         raise fail(f"no audio files found in: {' '.join(inputs)}", EXIT_NOTHING_RAN)
+    return shard(found, part), found
+
+
+def checked_outputs(out: Optional[Path], report: Optional[Path]) -> None:
+    """`out` (--out: `out_folder`) and `report`'s folder (--json), made and checked writable
+    (None: not given): once the inputs and the model's name are known, before the model loads."""
     if out is not None:
         out_folder(out)
     if report is not None:
         writable_folder(report.parent, "--json")
-    return shard(found, part), found
+
+
+def unmade(out: Path) -> None:
+    """Remove the --out folder this run made (`out_folder`) when the model failed to load and it
+    holds only the lock file: a failed run leaves no empty folder for the user to find, and a
+    folder it did not make is left as it was. The lock is taken first, so a folder another run
+    has begun to use since is left alone."""
+    import fcntl
+
+    from transcribe.resume import LOCK_NAME
+
+    lock = out / LOCK_NAME
+    try:
+        if [p.name for p in out.iterdir()] != [LOCK_NAME]:
+            return
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.unlink()
+            out.rmdir()
+        finally:
+            os.close(fd)
+    except OSError:  # in use, or not ours to remove after all: leave it
+        pass
 
 
 def loaded_engine(model: str, chosen: str, device, encoder_backend, decoder_mode, features_on, dtype,
