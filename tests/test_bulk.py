@@ -356,6 +356,82 @@ def test_a_file_that_changes_while_the_run_reads_it_is_redone_by_the_rerun(tmp_p
     _assert_clean(out)
 
 
+@needs_shared
+@pytest.mark.parametrize("removed", ["log", "out"])
+def test_an_out_or_log_removed_mid_run_stops_it(tmp_path, monkeypatch, removed):
+    """`rm -rf OUT` (or of OUT/results.jsonl) while a run writes there: the run went on appending
+    to the unlinked log, remade the folder for its transcripts and ended with exit 0, its lines
+    in no file (the rerun redid everything) and no lock on the folder. It now stops as on a disk
+    that takes no more writes, naming the log."""
+    import transcribe.output_writer as output_writer
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 4)
+    real_flush, flushed = output_writer.OutputWriter.flush, []
+
+    def remove_after_the_first_batch(self):
+        if self.pending and len(flushed) == 1:
+            self.wait()  # the first batch's lines are in the log
+            if removed == "out":
+                shutil.rmtree(out)
+            else:
+                (out / "results.jsonl").unlink()
+        flushed.extend([1] if self.pending else [])
+        real_flush(self)
+
+    monkeypatch.setattr(output_writer.OutputWriter, "flush", remove_after_the_first_batch)
+    engine = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    with pytest.raises(output_writer.OutputStopped, match=r"results\.jsonl: removed or replaced while the run wrote"):
+        pipeline.run(engine, discover([str(inp)]), out, ["txt"], workers=1, batch_seconds=1.0)
+    assert len(flushed) == 3  # the second batch's write finds it, and the flush after says it: not 4 batches
+
+
+@needs_shared
+def test_a_run_with_another_model_stopped_early_leaves_the_finished_jobs_lines(tmp_path, monkeypatch):
+    """A job done by model A, then a run with model B into the same --out stopped after its
+    first batch: A's lines of the files B never wrote stay (they went when B's run began: a B
+    run stopped during its load left A's 20,000-file job with no log), so A's rerun redoes
+    only the files B wrote over; and B's end of run leaves one line per file."""
+    import signal
+
+    import transcribe.output_writer as output_writer
+    import transcribe.pipeline as pipeline
+    from engines.parakeet import ParakeetEngine
+    from transcribe.inputs import discover
+    from transcribe.signals import Interrupted
+
+    inp, out = tmp_path / "in", tmp_path / "out"
+    _copies(inp, 4)
+    a = ParakeetEngine.from_nemo(Reference("tdt_tiny").nemo, "cpu")
+    b = ParakeetEngine.from_nemo(Reference("rnnt_tiny").nemo, "cpu", name="model-b")
+    assert pipeline.run(a, discover([str(inp)]), out, ["txt"], workers=1).files_ok == 4
+    done_by_a = {r["audio_filepath"]: r for r in _rows(out)}
+    real_flush = output_writer.OutputWriter.flush
+
+    def stop_after_the_first_batch(self):
+        if self.pending:
+            if self._writing is not None:
+                self.wait()
+                raise Interrupted(signal.SIGTERM)
+        real_flush(self)
+
+    monkeypatch.setattr(output_writer.OutputWriter, "flush", stop_after_the_first_batch)
+    with pytest.raises(Interrupted):
+        pipeline.run(b, discover([str(inp)]), out, ["txt"], workers=1, batch_seconds=1.0)
+    rows = _rows(out)
+    by_b = [r["audio_filepath"] for r in rows if r["model"] == "model-b"]
+    assert 1 <= len(by_b) < 4 and len(rows) == 4  # one line per file once the run ended
+    assert [r for r in rows if r["model"] != "model-b"] == [r for p, r in done_by_a.items() if p not in by_b]
+    monkeypatch.setattr(output_writer.OutputWriter, "flush", real_flush)
+    stats = pipeline.run(a, discover([str(inp)]), out, ["txt"], workers=1)
+    assert (stats.files_skipped, stats.files_ok) == (4 - len(by_b), len(by_b))
+    assert {r["audio_filepath"]: r["text"] for r in _rows(out)} == {p: r["text"] for p, r in done_by_a.items()}
+    _assert_clean(out)
+
+
 def test_a_folder_that_cannot_be_listed_fails_in_the_job_and_the_rest_is_transcribed(tmp_path):
     """A folder past the system's 4096-byte path limit (tests/test_inputs.py makes the same):
     the job logs it failed with the reason, transcribes the rest and exits 3 (it stopped with
@@ -681,9 +757,9 @@ def test_stop_signals_stop_cleanly(tmp_path, sig, code, force):
 def test_a_run_stopped_while_redoing_files_for_another_format_keeps_the_rest_done(tmp_path):
     """A run redoing done files for another format dropped all their lines before it began:
     stopped after a few files, it left the others with none, and the next txt run redid them
-    all, their transcripts intact (209 of 400 lines left). Lines by the same model now go only
-    when the run ends, and a new line is the one that counts; --force's (and another model's)
-    still go first."""
+    all, their transcripts intact (209 of 400 lines left). Lines by the same model (and by
+    another: test_a_run_with_another_model_stopped_early_leaves_the_finished_jobs_lines) now go
+    only when the run ends, and a new line is the one that counts; --force's still go first."""
     inp, out = tmp_path / "in", tmp_path / "out"
     _copies(inp, N_JOB)
     args = [str(inp), "--model", str(Reference("tdt_tiny").nemo), "--out", str(out), "--batch-seconds", "10"]

@@ -229,25 +229,29 @@ def test_a_files_last_line_counts_and_the_end_of_a_run_drops_the_ones_before(tmp
         log.write_text(text)
         plan = plan_resume(files, log, False, ident, model=model, outputs=txt)
         assert [f.path.stem for f in plan.todo] == todo, model
-        assert not plan.tidy  # the redone file's line was another model's: gone already (below)
+        assert plan.tidy and log.read_text() == text  # dropped at the run's end, not before (below)
+        assert plan.superseded == {audio[todo[0]]: [f"{todo[0]}.txt"]}, model  # the other model's line
 
 
-def test_lines_that_would_vouch_for_rewritten_outputs_go_before_the_run_writes(tmp_path):
-    """Kept until the run's end, a line by another model (or any, with --force) vouched for the
-    outputs the run had rewritten when it stopped between writing them and logging their new
-    lines, and an interrupted --force run left every file it had not reached done. Those lines
-    go when the run is planned; a line by the same model (a file redone for a format its line
-    lacks) stays until its new line replaces it."""
+def test_lines_that_would_vouch_for_rewritten_outputs_are_superseded_not_dropped(tmp_path):
+    """A line by another model would vouch for the outputs the run rewrites if it stopped
+    between writing them and logging their new lines: the plan names those files
+    (`superseded`, with the outputs their lines list) for the run to give an error line just
+    before it writes. Planning leaves the log as it is: it used to drop those lines up front,
+    and a run stopped before it wrote anything lost the log of the finished job. --force's go
+    up front: it redoes every file, and stopped early, the rerun must redo the rest."""
     audio, out, ident, line = _inputs(tmp_path, ("a", "b"))
     log = out / "results.jsonl"
     text = "".join(json.dumps(line(n, outputs=[f"{n}.txt"])) + "\n" for n in audio)
     files = [InputFile(p, Path(p.name)) for p in audio.values()]
     txt = lambda f: [Path(f.path.stem + ".txt")]
     srt = lambda f: [Path(f.path.stem + ".txt"), Path(f.path.stem + ".srt")]
-    for force, model, outputs, left in ((True, "m", txt, ""), (False, "n", txt, ""), (False, "m", srt, text)):
+    every = {p: [f"{p.stem}.txt"] for p in audio.values()}
+    for force, model, outputs, superseded, left in ((True, "m", txt, {}, ""), (True, "n", txt, {}, ""),
+                                                    (False, "n", txt, every, text), (False, "m", srt, {}, text)):
         log.write_text(text)
         plan = plan_resume(files, log, force, ident, model=model, outputs=outputs)
-        assert len(plan.todo) == 2 and plan.tidy == bool(left), (force, model)
+        assert len(plan.todo) == 2 and plan.tidy == bool(left) and plan.superseded == superseded, (force, model)
         assert log.read_text() == left, (force, model)
 
 
@@ -264,19 +268,50 @@ def test_outputs_that_are_not_a_list_of_paths_vouch_for_nothing(tmp_path):
     assert not all_done(files, out, ["txt"], "m", {})
 
 
-def test_an_output_a_dropped_line_owned_is_no_other_files_again(tmp_path):
+def test_an_output_a_superseded_line_owned_is_no_other_files_again(tmp_path):
     """`b/a.flac` then `a/a.flac` into one --out: `a.txt` is a's. A run over `a/` with another
-    model drops a's line before it writes; stopped before it reached the file, the earlier line
-    of b owned `a.txt` again, and the next run over `b/` took a's transcript for b's."""
+    model gives a an error line before it writes, which must go on listing `a.txt` (and what
+    a's line listed besides): without it, the earlier line of b owned `a.txt` again, and the
+    next run over `b/` took the other model's transcript of a for b's."""
+    from transcribe.output_writer import OutputStopped, OutputWriter
+    from transcribe.pipeline import RunStats
+    from transcribe.results import Result
+    from transcribe.writers import ResultsLog, StagedWrites
+
     a, b, out, ident = _same_names(tmp_path, "a.flac", "a's text")
     log = out / "results.jsonl"
     log.write_text("".join(json.dumps({"audio_filepath": str(p), "status": "ok", "model": "m", **ident[p],
-                                       "outputs": ["a.txt"]}) + "\n" for p in (b, a)))
+                                       "outputs": ["a.txt", "a.json"]}) + "\n" for p in (b, a)))
     txt = lambda f: [Path("a.txt")]
-    plan = plan_resume([InputFile(a, Path("a.flac"))], log, False, ident, model="n", outputs=txt)
-    assert len(plan.todo) == 1 and str(a) not in log.read_text()  # a's line went; the run stops here
-    plan = plan_resume([InputFile(b, Path("a.flac"))], log, False, ident, model="m", outputs=txt)
-    assert [f.path for f in plan.todo] == [b]
+    fa = InputFile(a, Path("a.flac"))
+    plan = plan_resume([fa], log, False, ident, model="n", outputs=txt)
+    assert plan.superseded == {a: ["a.txt", "a.json"]}
+
+    class Bar:
+        def step(self):
+            pass
+
+    def stopped(self):  # a kill after the error line, before the renames
+        raise OSError(5, "Input/output error")
+
+    real_commit, StagedWrites.commit = StagedWrites.commit, stopped
+    try:
+        with ResultsLog(log) as results:
+            writer = OutputWriter(out, ["txt"], {a: Path("a")}, results, "n", {}, RunStats(), Bar(), ident,
+                                  superseded=plan.superseded)
+            writer.finished(fa, Result("n's text"), 1.0)
+            writer.flush()
+            with pytest.raises(OutputStopped):
+                writer.close()
+    finally:
+        StagedWrites.commit = real_commit
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert (last["audio_filepath"], last["status"], last["model"], last["outputs"]) == (str(a), "error", "n",
+                                                                                       ["a.txt", "a.json"])
+    assert "stopped while n transcribed it again" in last["error"]
+    for f, model in ((fa, "m"), (fa, "n"), (InputFile(b, Path("a.flac")), "m")):
+        plan = plan_resume([f], log, False, ident, model=model, outputs=txt)
+        assert [g.path for g in plan.todo] == [f.path], (f.path, model)
 
 
 def test_a_file_read_past_its_lone_offset_0_lines_duration_is_done_again(tmp_path):

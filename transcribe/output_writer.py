@@ -5,10 +5,13 @@ The pipeline hands each file over as its last piece is transcribed (`finished`) 
 staged to temporary names, then all fsynced, then all renamed (`writers.StagedWrites`), then
 their results.jsonl lines are appended (each flushed) and the log is fsynced once, so an `ok`
 line never outlives its outputs and a crash loses at most a batch's lines, whose files the next
-run redoes (or finds done by an old line of the same model and settings: `resume.plan_resume`
-dropped every other old line of a file it redoes before the run began). A full, over-quota or read-only disk stops the run (`OutputStopped`) after the files
-staged before it are written; a file whose outputs cannot be written (a name too long, say)
-fails alone.
+run redoes (or finds done by an old line of the same model and settings). An old line by
+another model or settings (`resume.ResumePlan.superseded`) would vouch for the outputs about to
+be replaced: before the renames, the file gets an `error` line, fsynced, that its `ok` line
+follows, so a run stopped in between leaves it to redo, and one stopped before leaves the old
+line, and the finished work it records, as it was. A full, over-quota or read-only disk stops
+the run (`OutputStopped`) after the files staged before it are written; a file whose outputs
+cannot be written (a name too long, say) fails alone.
 
 The writing runs in one thread of its own, a batch at a time and in order, while the job's
 thread goes on to the next batch: it is mostly waiting for fsync, which held the model up
@@ -38,8 +41,11 @@ class OutputWriter:
 
     def __init__(self, out_dir: Path, formats: list[str], stems: dict[Path, Path], log: ResultsLog, model: str,
                  settings: dict[str, str], stats, bar, identities: dict[Path, dict],
-                 kept: dict[Path, list[str]] | None = None, runtime: str = ""):
+                 kept: dict[Path, list[str]] | None = None, runtime: str = "",
+                 superseded: dict[Path, list[str]] | None = None):
         self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
+        self.model = model
+        self.superseded = superseded or {}  # key -> its old line's outputs (resume.ResumePlan)
         # Each input path's size and mtime from before any worker read it (pipeline.run): taken
         # at the write, a file still growing while the run read it matched for good.
         self.identities = identities
@@ -115,6 +121,7 @@ class OutputWriter:
                 self._cannot_write(file, e, seconds)
                 continue
             staged.append((file, result, seconds, stem))
+        self._supersede([file for file, _, _, _ in staged if file.key in self.superseded])
         try:
             failed = writes.commit()
         except OSError as e:
@@ -135,6 +142,20 @@ class OutputWriter:
         self.stats.stage_seconds["write"] += time.perf_counter() - t0
         if stop is not None:
             raise OutputStopped(f"{self.out_dir}: {stop.strerror}") from stop
+
+    def _supersede(self, files: list[InputFile]) -> None:
+        """Before their outputs are replaced, an `error` line (fsynced) for each of `files` whose
+        last line is by another model or settings: that line would vouch for the new outputs if
+        the run stopped before their `ok` lines. It lists the outputs the run writes and those
+        the old line listed: no other file's earlier line owns them again."""
+        for file in files:
+            ours = [p.as_posix() for p in output_paths(self.stems[file.key], self.formats).values()]
+            old = [p for p in self.superseded[file.key] if p not in ours]
+            self._log({**_names(file), "duration": None, "text": "", "status": "error",
+                       "error": f"{file.path}: stopped while {self.model} transcribed it again: run again to redo it",
+                       **self.made_by, **self.identities[file.path], "outputs": ours + old})
+        if files:
+            self._sync_log()
 
     def _log_failure(self, file: InputFile, error: str, seconds: float | None) -> None:
         self._log({**_names(file), "duration": None if seconds is None else round(seconds, 3), "text": "", "status": "error",

@@ -37,7 +37,8 @@ from transcribe.file_language import FileLanguages
 from transcribe.inputs import InputFile, output_stems
 from transcribe.output_writer import OutputStopped, OutputWriter
 from transcribe.results import Result
-from transcribe.resume import drop_replaced, file_identity, out_dir_lock, outputs_of, plan_resume, sweep_leftovers
+from transcribe.resume import (ResumePlan, drop_replaced, file_identity, out_dir_lock, outputs_of, plan_resume,
+                               sweep_leftovers)
 from transcribe.shm import Slab
 from transcribe.signals import Interrupted, signals_raise, stop_if_signalled
 from transcribe.stitching import stitch
@@ -99,9 +100,9 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
             plan = plan_resume(files, out_dir / "results.jsonl", force, identities, model=engine.name,
                                settings=engine.settings, outputs=outputs_of(stems, formats),
                                names=outputs_of(stems, list(WRITERS)))
-        except OSError as e:  # the log could not be rewritten (a full disk): nothing is written yet
+        except OSError as e:  # the log could not be read or (--force) rewritten: nothing is written yet
             raise OutputStopped(f"{out_dir / 'results.jsonl'}: {e.strerror or e}") from e
-        todo, stats.files_skipped, kept = plan.todo, plan.skipped, plan.kept
+        todo, stats.files_skipped = plan.todo, plan.skipped
         # Longest first: the biggest pieces meet the memory limit at once, and stragglers are short.
         with _decoder_chatter_dropped():
             todo.sort(key=lambda f: -(f.duration if f.duration is not None else _header_seconds(f.path)))
@@ -111,7 +112,7 @@ def run(engine: Engine, files: list[InputFile], out_dir: Path, formats: list[str
         try:
             with signals_raise(), ResultsLog(out_dir / "results.jsonl") as log:
                 if todo:
-                    job = _Job(engine, todo, stems, identities, kept, out_dir, formats, log, stats, bar)
+                    job = _Job(engine, todo, stems, identities, plan, out_dir, formats, log, stats, bar)
                     job.run(n_workers, batch_seconds, file_timeout, prespawned)
         finally:
             if plan.tidy:  # the old lines of the files redone
@@ -158,11 +159,11 @@ class _Job:
     """One run's moving parts: the pool's events in, batches through the engine, files out."""
 
     def __init__(self, engine: Engine, todo: list[InputFile], stems: dict[Path, Path], identities: dict[Path, dict],
-                 kept: dict[Path, list[str]], out_dir: Path, formats: list[str], log: ResultsLog, stats: RunStats,
+                 plan: ResumePlan, out_dir: Path, formats: list[str], log: ResultsLog, stats: RunStats,
                  bar: "_Progress"):
         self.engine, self.stats = engine, stats
         self.outputs = OutputWriter(out_dir, formats, stems, log, engine.name, engine.settings, stats, bar,
-                                    identities, kept, getattr(engine, "runtime", ""))
+                                    identities, plan.kept, getattr(engine, "runtime", ""), plan.superseded)
         self.files = {fid: _File(f) for fid, f in enumerate(todo)}  # until transcribed or failed
         # A model that detects the language: a file's later pieces wait for its language (file_language).
         self.languages = FileLanguages() if engine.detects_language else None

@@ -2,12 +2,15 @@
 
 A file is done when results.jsonl has an ok line for its path with the same size and
 modification time, by the same model and settings, and its outputs exist (`plan_resume`); a
-rerun skips it and redoes everything else (failed or changed files). The old line of a file
-redone by the same model and settings (for a format its line lacks) stays beside its new one
-until the run ends (`drop_replaced`), so a run stopped early leaves the files it did not reach
-done; every other redone file's line goes before the run writes anything (`plan_resume`). Each
-file ends with exactly one line; a run killed before its end can leave two, and a file's last
-line is the one that counts (`latest`). A file redone only for a format its line lacks keeps
+rerun skips it and redoes everything else (failed or changed files). The old line of a redone
+file stays beside its new one until the run ends (`drop_replaced`), so a run stopped early
+leaves the files it did not reach as they were. A line by another model or settings
+(`ResumePlan.superseded`) would vouch for outputs the run rewrites, so just before the run
+replaces a file's outputs it appends an `error` line for it (`output_writer.OutputWriter`),
+which its `ok` line then follows. With --force every redone file's line goes before the run
+writes anything: stopped early, the rerun redoes the rest. Each file ends with exactly
+one line; a run killed before its end can leave two or three, and a file's last line is the
+one that counts (`latest`). A file redone only for a format its line lacks keeps
 the formats it had on its new line (`ResumePlan.kept`). One run at a time holds a folder
 (`out_dir_lock`).
 """
@@ -113,6 +116,14 @@ class ResumePlan(NamedTuple):
     # The log holds lines to drop when the run ends (`drop_replaced`): old lines of files this
     # run redoes, `stale` ones, a killed run's second lines. Without any, it is not read again.
     tidy: bool = False
+    # Keys of files to redo whose last line is by another model or settings: it would vouch
+    # for the outputs this run writes over. It stays until the run writes
+    # those (a run stopped early leaves a finished job's lines as they were: dropped up front,
+    # a run with another model stopped during its load lost the log of 20,000 files), and
+    # `OutputWriter` appends the file's `error` line just before it does. Each maps to the
+    # outputs the old line lists, which that line goes on listing: an earlier line of another
+    # file that listed one (an `a.wav` of another input folder, same --out) would own it again.
+    superseded: dict[Path, list[str]] = {}
 
 
 def outputs_of(stems: dict[Path, Path], formats: list[str]) -> Callable[[InputFile], list[Path]]:
@@ -159,12 +170,12 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
     subtitles, a deleted transcript is made again, and a json left by an earlier
     transcription, or by another file that had the name before, is not taken for this one's,
     nor is one that a later line lists, whose file wrote over it). A line from before `outputs`
-    were logged vouches for any that exist. The log is rewritten without the lines of files
-    about to be redone that would vouch for their new outputs' text if the run stopped after
-    writing those but before their new lines (another model's or settings', and with `force`
-    any): an OSError if it cannot be. A line by the same model and settings stays until the
-    run ends (`drop_replaced`): stopped early, a `-f srt` run over a 400-file folder done in
-    txt left 209 lines when they went first, and the next txt run redid the other 191.
+    were logged vouches for any that exist. Every old line stays until the run replaces it
+    (`ResumePlan.superseded` says which need an `error` line first, as their outputs are
+    rewritten): stopped early, a `-f srt` run over a 400-file folder done in txt left 209 lines
+    when they went first, and the next txt run redid the other 191. With `force` the log is
+    rewritten now without the lines of the files to redo (an OSError if it cannot be), so that
+    a forced run stopped early leaves the rest to redo.
     `names`: every output the file's name has this run (all formats): only those can be `kept`
     (a name another file had in an earlier run, before two files' names clashed, is not)."""
     lines = read_results(log_path)
@@ -175,20 +186,21 @@ def plan_resume(files: list[InputFile], log_path: Path, force: bool, identities:
                                                  settings, outputs, names)
     todo = [f for f in files if f.key not in done]
     redo = {f.key for f in todo}
-    wrong = {k for k, r in records.items() if k in redo and (force or not _same_run(r, model, settings))}
-    if wrong:
-        # An output a dropped line owned goes with it: an earlier line of another file that
-        # listed it (an `a.wav` of another input folder, same --out) would own it again and
-        # vouch for the dropped file's transcript.
+    if force and not redo.isdisjoint(records):
+        # --force redoes every file, whatever its line says: a run stopped early must leave the
+        # rest to redo, so their lines go now (an OSError if the log cannot be rewritten). An
+        # output a dropped line owned goes with it: an earlier line of another file that listed
+        # it (an `a.wav` of another input folder, same --out) would own it again.
         owner = _owners(records)
-        records = {k: _without(r, {p for p in listed_outputs(r) if owner[p] in wrong})
-                   for k, r in records.items() if k not in wrong}
+        records = {k: _without(r, {p for p in listed_outputs(r) if owner[p] in redo})
+                   for k, r in records.items() if k not in redo}
         atomic_write_text(log_path, "".join(results_line(r) for r in records.values()))
         twice = False
+    superseded = {k: listed_outputs(r) for k, r in records.items() if k in redo and not _same_run(r, model, settings)}
     stale = _stale(files, records, by_key)
     tidy = twice or bool(stale) or not redo.isdisjoint(records)
     return ResumePlan(todo, len(files) - len(todo), {k: v for k, v in kept.items() if v and k not in done},
-                      stale, tidy)
+                      stale, tidy, superseded)
 
 
 def _owners(records: dict[Path, dict]) -> dict[str, Path]:

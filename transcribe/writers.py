@@ -274,9 +274,20 @@ class ResultsLog:
         self._unsynced = True
 
     def sync(self) -> None:
+        """fsync the lines since the last sync; FileNotFoundError when the log is no longer at
+        its path (removed, or the whole --out with it, or replaced by another file): lines
+        appended to an unlinked file are lost when it closes, and the run would end with exit 0,
+        its work in no log (a rerun redoes all), and a second run free to take the folder."""
         if self._unsynced:
             os.fsync(self._f.fileno())
             self._unsynced = False
+        mine = os.fstat(self._f.fileno())
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            there = None
+        if mine.st_nlink == 0 or there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+            raise FileNotFoundError(errno.ENOENT, "removed or replaced while the run wrote to it", str(self.path))
 
     def close(self) -> None:
         """Sync and close; a sync that fails here leaves the lines to the kernel's writeback.
