@@ -174,6 +174,15 @@ class WhisperFrontend:
             # its seek loop); as silence, the engine gives it empty text without decoding
             # (decoded, whisper-base said "you").
             audio = np.zeros_like(audio)
+        peak = float(np.abs(audio).max(initial=0.0))
+        if peak > 1.0:
+            # Float samples past full scale: most often int16 values saved as float (+-32768), a
+            # common slip. Whisper's log-mel is not level-free (its floor is the window's max - 8
+            # in log10 units, then a fixed offset and scale), and heard that loud whisper-base
+            # gave "" for jfk, which faster-whisper partly transcribes. Brought to full scale, the
+            # piece is the recording as it was meant. Parakeet's features are normalised per
+            # piece, as NeMo's are, and need nothing.
+            audio = audio / np.float32(peak)
         # Frame t sees samples [t*hop - n_fft/2, t*hop + n_fft/2): zero power once past the audio.
         keep = min(N_FRAMES, math.ceil((len(audio) + N_FFT // 2) / HOP_LENGTH) + 1)
         with torch.inference_mode():

@@ -358,3 +358,22 @@ def test_audio_under_one_hop_is_empty_text_as_openai_gives():
     speech, _ = sf.read(SPEECH / "librispeech_test_other" / "1688" / "1688-142285-0005.flac", dtype="float32")
     out = engine.transcribe_features([torch.from_numpy(engine.frontend(speech[:n])) for n in (1, 100, 159)])
     assert [r.text for r in out] == ["", "", ""]
+
+
+def test_float_samples_far_past_full_scale_are_heard_at_full_scale():
+    """int16 values saved as a float WAV (+-32768): whisper-base gave "" for jfk with status ok,
+    where faster-whisper still got most of it. A piece past full scale is brought to it; one
+    within it is left as it was (features bit for bit)."""
+    from conftest import bundled_whisper_fp32
+    from transcribe.audio import load_audio
+
+    engine = bundled_whisper_fp32(4)
+    speech = load_audio(SPEECH / "jfk" / "jfk.flac", 16000)
+    peak = np.float32(np.abs(speech).max())
+    assert np.array_equal(engine.frontend(speech * np.float32(0.5)), engine.frontend(speech * np.float32(0.5)))
+    full = engine.frontend(speech / peak)
+    for gain in (1.5, 32768.0, 1e4):  # (float32 rounding of the scaled samples: ~1e-5 in the log-mel)
+        assert np.abs(engine.frontend(speech * np.float32(gain)) - full).max() < 1e-4, gain
+    clean, loud = engine.transcribe_features([torch.from_numpy(engine.frontend(a)) for a in (speech, speech * 32768)])
+    assert "ask not what your country can do for you" in clean.text
+    assert loud.text == clean.text
