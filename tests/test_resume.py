@@ -329,3 +329,22 @@ def test_a_file_read_past_its_lone_offset_0_lines_duration_is_done_again(tmp_pat
     outputs = lambda f: [Path(f.path.stem + ".txt")]
     todo, done, *_ = plan_resume(files, out / "results.jsonl", False, ident, model="m", outputs=outputs)
     assert [f.path.stem for f in todo] == ["whole"] and done == 2
+
+
+def test_an_emptied_transcript_of_a_file_that_said_something_is_made_again(tmp_path):
+    """Our writes are atomic, so an empty output under a line with text was emptied since (a
+    copy cut short, `> a.txt`): it stayed done for good, and only --force (every file) made it
+    again. A line whose text is empty (silence) vouches for its empty transcript."""
+    audio, out, ident, line = _inputs(tmp_path, ("said", "silent", "kept"))
+    (out / "said.txt").write_text("")
+    (out / "silent.txt").write_text("")
+    log = out / "results.jsonl"
+    log.write_text("".join(json.dumps(line(n, text=t, outputs=[f"{n}.txt"])) + "\n"
+                           for n, t in (("said", "hello"), ("silent", ""), ("kept", "hi"))))
+    files = [InputFile(p, Path(p.name)) for p in audio.values()]
+    txt = lambda f: [Path(f.path.stem + ".txt")]
+    plan = plan_resume(files, log, False, ident, model="m", outputs=txt, names=txt)
+    assert [f.path.stem for f in plan.todo] == ["said"] and plan.skipped == 2
+    assert not all_done(files, out, ["txt"], "m", {})
+    (out / "said.txt").write_text("hello\n")
+    assert all_done(files, out, ["txt"], "m", {})

@@ -284,9 +284,21 @@ def all_done(files: list[InputFile], out_dir: Path, formats: list[str], model: s
 
 
 def _vouched(record: dict, outputs: list[Path], out_dir: Path) -> bool:
-    """Every one of `outputs` exists and, where the line lists its outputs, is one of them."""
+    """Every one of `outputs` exists and, where the line lists its outputs, is one of them; and
+    none is empty where the line has text (our writes are atomic, so an empty transcript of a
+    file that said something was emptied since: a copy cut short, a `> a.txt`; it stayed done
+    for good, only --force, which redoes every file, made it again)."""
     listed = None if record.get("outputs") is None else listed_outputs(record)
-    return all((out_dir / p).exists() and (listed is None or p.as_posix() in listed) for p in outputs)
+    empty_ok = not record.get("text")
+    return all(_there(out_dir / p, empty_ok) and (listed is None or p.as_posix() in listed) for p in outputs)
+
+
+def _there(path: Path, empty_ok: bool) -> bool:
+    """`path` exists (followed through links) and, unless `empty_ok`, holds something."""
+    try:
+        return path.stat().st_size > 0 or empty_ok
+    except (OSError, ValueError):  # not there, or a name the system refuses (as Path.exists says False)
+        return False
 
 
 def listed_outputs(record: dict) -> list[str]:
