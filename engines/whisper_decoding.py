@@ -190,24 +190,27 @@ class GreedyDecoder:
 
     @torch.inference_mode()
     def decode(self, mel: Tensor, frames: list[int] | None = None, words: bool = False,
-               languages: list[str | None] | None = None, after_pause: list[bool] | None = None
-               ) -> list[WindowResult]:
+               languages: list[str | None] | None = None, after_pause: list[bool] | None = None,
+               second_look: bool = True) -> list[WindowResult]:
         """mel: [B, n_mels, 3000] -> one WindowResult per window (same order). words: also word
         times (`whisper_alignment`), for which frames gives each window's mel frames of real
         audio (None: all 3000). languages: a window's language where it is known already (its
         file's, `start`), None where it is to be detected. after_pause: the windows that begin
-        in a pause after earlier speech (`whisper_words.window_words`; None: none do)."""
+        in a pause after earlier speech (`whisper_words.window_words`; None: none do).
+        second_look: `_silent_when_zero_padded` (the engine's tails have stricter rules of
+        their own, `whisper_engine.TAIL_NO_SPEECH`)."""
         t = time.perf_counter()
         audio = self.model.encoder(mel.to(self.device))
         self.stage_seconds.lap("encoder", t)
-        return self.decode_audio(audio, frames, words, languages, after_pause)
+        return self.decode_audio(audio, frames, words, languages, after_pause, mel if second_look else None)
 
     @torch.inference_mode()
     def decode_audio(self, audio: Tensor, frames: list[int] | None = None, words: bool = False,
-                     languages: list[str | None] | None = None, after_pause: list[bool] | None = None
-                     ) -> list[WindowResult]:
+                     languages: list[str | None] | None = None, after_pause: list[bool] | None = None,
+                     mel: Tensor | None = None) -> list[WindowResult]:
         """Encoder states [B, n_audio_ctx, d] -> results, in the decoder mode in use (see
-        `decode` for frames, words, languages and after_pause). The cross K/V projection, the prompt and the word
+        `decode` for frames, words, languages and after_pause; `mel`, the windows the states
+        are of, for `_silent_when_zero_padded`). The cross K/V projection, the prompt and the word
         alignment run with all threads (the projection, [1500, d] rows per window and layer: 1.3 s
         with 1 thread, 0.8 s with 2 for 16 windows of base, measured as one GEMM a layer), the
         token loop with `cpu_threads`."""
@@ -227,7 +230,43 @@ class GreedyDecoder:
                                                                      [r.tokens for r in eager]):
                 results, order, cross_k, cross_v = eager, eager_order, cache.cross_k, cache.cross_v
         self.stage_seconds.lap("decoder", t)
+        if mel is not None:
+            results = self._silent_when_zero_padded(results, mel, frames)
         return self.finish(results, cross_k, cross_v, order, frames, words, after_pause)
+
+    def _silent_when_zero_padded(self, results: list[WindowResult], mel: Tensor, frames: list[int]
+                                 ) -> list[WindowResult]:
+        """Windows with text that one of OpenAI's two silence signals points at (average
+        log-probability under its threshold, or no-speech probability over its own), decoded
+        again with the mel after their audio set to 0, as OpenAI and faster-whisper pad it:
+        silent there by OpenAI's rule (both signals), they are silent here. Our padding (the
+        padded audio's own log-mel, the silence floor: `whisper_engine.WhisperFrontend`) keeps
+        whisper-base's WER lower on speech, but on music or tones with no speech it gave the
+        greedy pass or the fallback's samples "Thank you." or "Don't forget to subscribe"
+        (no-speech 0.08-0.71), where faster-whisper gives nothing (0.71-0.77, log-probability
+        under -1.2). One more greedy pass, for those windows only."""
+        opts = self.opts
+        if opts.no_speech_threshold is None or opts.logprob_threshold is None or self.tok.no_speech < 0:
+            return results
+        rows = [w for w, r in enumerate(results) if r.text and (
+            r.avg_logprob < opts.logprob_threshold or r.no_speech_prob > opts.no_speech_threshold)]
+        if not rows:
+            return results
+        t = time.perf_counter()
+        padded = mel[rows].clone()
+        for i, w in enumerate(rows):
+            padded[i, :, frames[w]:] = 0.0
+        # A fresh cache, not `batch_cache`: its kept buffers hold this batch's cross K/V, which
+        # the fallback and the word alignment read next (reused here, they read these windows').
+        cache = self.model.decoder.new_cache(self.model.encoder(padded.to(self.device)), self.opts.max_length)
+        progress, no_speech = self.token_loop(cache, len(rows), languages=[results[w].language for w in rows])
+        again = self.results(progress, no_speech)
+        out = list(results)
+        for w, r in zip(rows, again):
+            if r.no_speech_prob > opts.no_speech_threshold and r.avg_logprob < opts.logprob_threshold:
+                out[w] = replace(results[w], text="", segments=(), no_speech_prob=r.no_speech_prob)
+        self.stage_seconds.lap("fallback", t)
+        return out
 
     def finish(self, results: list[WindowResult], cross_k: Tensor, cross_v: Tensor, order: list[int],
                frames: list[int], words: bool, after_pause: list[bool] | None = None) -> list[WindowResult]:

@@ -351,7 +351,7 @@ class WhisperEngine:
             self.stage_seconds.lap("batch", t0)
             results = self.decoder.decode(mel, frames, words=self.word_timestamps,
                                           languages=[languages[i] for i in idx],
-                                          after_pause=[after_pause[i] for i in idx])
+                                          after_pause=[after_pause[i] for i in idx], second_look=not tails)
             for i, sec, res in zip(idx, seconds, results):
                 if tails and (res.no_speech_prob > TAIL_NO_SPEECH or (sec < SHORT_TAIL_SECONDS or res.temperature > 0) and (
                         res.no_speech_prob > SHORT_TAIL_NO_SPEECH or res.avg_logprob < SHORT_TAIL_LOGPROB)):

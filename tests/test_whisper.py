@@ -305,7 +305,7 @@ def test_short_tails_are_kept_only_when_clearly_speech():
         decoded = iter([window("Main.", 10.0 - tail), window("Tail.", tail - 0.1, logprob, no_speech, temperature)])
         decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
                                   stage_seconds=StageTimes("cpu"),
-                                  decode=lambda mel, frames, words, languages, after_pause=None: [next(decoded) for _ in frames])
+                                  decode=lambda mel, frames, words, languages, after_pause=None, second_look=True: [next(decoded) for _ in frames])
         out = WhisperEngine(decoder).transcribe_features([torch.zeros(80, 1000)])[0]  # 10 s of sound
         assert out.text == ("Main. Tail." if kept else "Main."), (tail, logprob, no_speech, temperature)
 
@@ -335,7 +335,7 @@ def test_a_piece_whose_words_moved_past_its_tail_ends_where_the_tail_begins():
                     window([ts(0.0), 101, 102, ts(14.0)], [(0.0, 0.38, "Bă,", 0.3), (0.38, 7.16, "bă.", 0.3)])])
     decoder = SimpleNamespace(device="cpu", model=SimpleNamespace(dims=SimpleNamespace(n_mels=80)), tok=tok,
                               stage_seconds=StageTimes("cpu"),
-                              decode=lambda mel, frames, words, languages, after_pause=None: [next(decoded) for _ in frames])
+                              decode=lambda mel, frames, words, languages, after_pause=None, second_look=True: [next(decoded) for _ in frames])
     engine = WhisperEngine(decoder)
     out = engine.transcribe_features([torch.zeros(80, 1679)])[0]  # 16.77 s of sound (log-mel 0)
     assert out.text == "Muzica Bă, bă."  # the tail, from 2 s, is appended
@@ -377,3 +377,37 @@ def test_float_samples_far_past_full_scale_are_heard_at_full_scale():
     clean, loud = engine.transcribe_features([torch.from_numpy(engine.frontend(a)) for a in (speech, speech * 32768)])
     assert "ask not what your country can do for you" in clean.text
     assert loud.text == clean.text
+
+
+def _arpeggio(seconds: float) -> np.ndarray:
+    """Half-second sine notes with two harmonics, up and down a major chord: music, no speech."""
+    t = np.arange(8000) / 16000
+    notes = [sum(np.sin(2 * np.pi * 220 * 2 ** ([0, 4, 7, 12, 7, 4][k % 6] / 12) * h * t) / h for h in (1, 2, 3))
+             * np.exp(-3 * t) for k in range(int(seconds * 2))]
+    return (np.round(np.concatenate(notes) * 0.15 * 32767) / 32768).astype(np.float32)  # as a PCM_16 file holds it
+
+
+def test_music_without_speech_is_no_text_as_with_openais_padding():
+    """10 and 25 s of tones: whisper-base said "Thank you." (greedy, no-speech 0.71 but
+    log-probability -0.97: OpenAI's rule keeps it) with our silence-floor padding; with OpenAI's
+    and faster-whisper's zero padding it is silent (0.74, -1.26), and faster-whisper gives "".
+    Windows one silence signal points at are decoded again with that padding and follow it;
+    speech is not (jfk keeps its text)."""
+    from conftest import bundled_whisper_fp32
+    from engines.whisper_engine import audio_frames, pad_window
+    from transcribe.audio import load_audio
+
+    engine = bundled_whisper_fp32(4)
+    dec = engine.decoder
+    for seconds in (10, 25):
+        music = _arpeggio(seconds)
+        mel = pad_window(torch.from_numpy(engine.frontend(music)))[None]
+        frames = [audio_frames(len(music))]
+        before = dec.decode_audio(dec.model.encoder(mel), frames)[0]  # no mel: no second look
+        assert before.text.strip(), seconds  # the hallucination this guards against
+        assert dec.decode(mel, frames)[0].text == "", seconds
+        (r,) = engine.transcribe_features([torch.from_numpy(engine.frontend(music))])
+        assert r.text == "" and not r.words, seconds
+    speech = load_audio(SPEECH / "jfk" / "jfk.flac", 16000)
+    (r,) = engine.transcribe_features([torch.from_numpy(engine.frontend(speech))])
+    assert "ask not what your country can do for you" in r.text
