@@ -95,7 +95,7 @@ def checked_model(model: str | None, encoder_backend: str = "auto", features_on:
         # it and a rerun compares it (`m.nemo` from two folders is two models).
         name = os.path.abspath(Path(name).expanduser())
     whisper = is_whisper(name)
-    if name not in WHISPER_NAMES and not is_whisper_path(name):
+    if not whisper:  # (a Whisper name is the bundled model, a registry entry or a checkpoint there is)
         located(name)  # a registry entry or a .nemo file (load_engine then fetches or reads it)
     if whisper and encoder_backend not in ("auto", "torch"):
         raise OptionError(f"encoder backend {encoder_backend!r} is for Parakeet models; {name} (Whisper) runs eager torch")

@@ -146,24 +146,17 @@ def checked_outputs(out: Optional[Path], report: Optional[Path]) -> None:
 def unmade(out: Path) -> None:
     """Remove the --out folder this run made (`out_folder`) when the model failed to load and it
     holds only the lock file: a failed run leaves no empty folder for the user to find, and a
-    folder it did not make is left as it was. The lock is taken first, so a folder another run
-    has begun to use since is left alone."""
-    import fcntl
+    folder it did not make is left as it was. The lock is taken first (`resume.out_dir_lock`),
+    so a folder another run has begun to use since is left alone."""
+    from transcribe.resume import LOCK_NAME, OutputBusy, out_dir_lock
 
-    from transcribe.resume import LOCK_NAME
-
-    lock = out / LOCK_NAME
     try:
         if [p.name for p in out.iterdir()] != [LOCK_NAME]:
             return
-        fd = os.open(lock, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            lock.unlink()
+        with out_dir_lock(out):
+            (out / LOCK_NAME).unlink()
             out.rmdir()
-        finally:
-            os.close(fd)
-    except OSError:  # in use, or not ours to remove after all: leave it
+    except (OutputBusy, OSError):  # in use, or not ours to remove after all: leave it
         pass
 
 

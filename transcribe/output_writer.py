@@ -44,7 +44,6 @@ class OutputWriter:
                  kept: dict[Path, list[str]] | None = None, runtime: str = "",
                  superseded: dict[Path, list[str]] | None = None):
         self.out_dir, self.formats, self.stems, self.log = out_dir, formats, stems, log
-        self.model = model
         self.superseded = superseded or {}  # key -> its old line's outputs (resume.ResumePlan)
         # Each input path's size and mtime from before any worker read it (pipeline.run): taken
         # at the write, a file still growing while the run read it matched for good.
@@ -152,7 +151,7 @@ class OutputWriter:
             ours = [p.as_posix() for p in output_paths(self.stems[file.key], self.formats).values()]
             old = [p for p in self.superseded[file.key] if p not in ours]
             self._log({**_names(file), "duration": None, "text": "", "status": "error",
-                       "error": f"{file.path}: stopped while {self.model} transcribed it again: run again to redo it",
+                       "error": f"{file.path}: stopped while {self.made_by['model']} transcribed it again: run again to redo it",
                        **self.made_by, **self.identities[file.path], "outputs": ours + old})
         if files:
             self._sync_log()

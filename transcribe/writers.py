@@ -281,12 +281,11 @@ class ResultsLog:
         if self._unsynced:
             os.fsync(self._f.fileno())
             self._unsynced = False
-        mine = os.fstat(self._f.fileno())
         try:
             there = os.stat(self.path)
         except FileNotFoundError:
             there = None
-        if mine.st_nlink == 0 or there is None or (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+        if there is None or not os.path.samestat(there, os.fstat(self._f.fileno())):
             raise FileNotFoundError(errno.ENOENT, "removed or replaced while the run wrote to it", str(self.path))
 
     def close(self) -> None:
